@@ -1,0 +1,104 @@
+"""The Hopper kernels: argument checks and CPU compiles always; correctness against the fp32 reference on an sm_90 GPU."""
+import pytest, torch
+from w4a4_book.formats import quantize
+from w4a4_book.reference import w4a4_gemm_ref
+from w4a4_book import sm90
+
+def _cpu_problem(M=64, N=256, K=256, R=32):
+    a, w = quantize(torch.randn(M, K), "int4"), quantize(torch.randn(N, K), "int4")
+    return a, w, torch.randn(M, R, dtype=torch.bfloat16), torch.randn(N, R, dtype=torch.bfloat16)
+
+@pytest.mark.parametrize("bad, arg", [
+    (dict(wgt=lambda p: quantize(torch.randn(256, 192), "int4")), "wgt"),
+    (dict(act=lambda p: quantize(torch.randn(64, 256), "nvfp4")), "act"),
+    (dict(act=lambda p: quantize(torch.randn(64, 192), "int4"), wgt=lambda p: quantize(torch.randn(256, 192), "int4")), "act"),
+    (dict(lora_act=lambda p: p[2][:, :24].contiguous(), lora_up=lambda p: p[3][:, :24].contiguous()), "lora_act"),
+    (dict(lora_up=lambda p: None), "lora_up"),
+    (dict(lora_up=lambda p: p[3].half()), "lora_up"),
+    (dict(lora_act=lambda p: p[2].t().contiguous().t()), "lora_act"),
+    (dict(bias=lambda p: torch.zeros(128)), "bias"),
+    (dict(wcscales=lambda p: torch.ones(256, dtype=torch.int32)), "wcscales"),
+    (dict(out_dtype=lambda p: torch.float32), "out_dtype"),
+    (dict(cluster_n=lambda p: 3), "cluster_n"),
+    (dict(act=lambda p: "not a tensor"), "act"),
+])
+def test_bad_input_names_argument(bad, arg):
+    p = _cpu_problem()
+    kw = dict(act=p[0], wgt=p[1], lora_act=p[2], lora_up=p[3])
+    kw.update({k: f(p) for k, f in bad.items()})
+    with pytest.raises((TypeError, ValueError)) as e:
+        sm90.check_gemm_inputs(need_gpu=False, **kw)
+    assert str(e.value).startswith(arg + ":"), str(e.value)
+
+def test_cpu_tensors_rejected_before_launch():
+    a, w, la, lu = _cpu_problem()
+    with pytest.raises(ValueError, match="^act: must be on a CUDA device"):
+        sm90.gemm_w4a4(a, w, la, lu)
+
+@pytest.mark.parametrize("version, R, cluster_n, accounting", [
+    ("v1", 32, 1, "per_cta"), ("v1", 0, 1, "per_cta"), ("v1", 128, 2, "per_cta"), ("v1", 128, 2, "pair")])
+def test_compiled_smem_equals_solver(version, R, cluster_n, accounting):
+    rep = sm90.compile_kernel(version, sm90.Problem(4352, 3072, 3840, R), cluster_n=cluster_n, lora_accounting=accounting)
+    assert rep.smem_bytes == rep.budget.allocated
+    if accounting == "per_cta": assert rep.budget.total == rep.budget.allocated
+    ins = rep.instructions
+    assert ins["wgmma (int8)"] > 0 and ins["TMA load"] > 0 and ins["TMA store"] > 0
+    assert ins["wgmma (16-bit)"] == (R // 16 if R else 0)
+    assert ins["local memory"] == 0
+
+# ---------------------------------------------------------------- GPU
+def rtol_for(dtype):
+    """Elementwise tolerance: the kernel's only rounding that the fp32 reference lacks is the final cast,
+    at most half an ulp (2^-8 relative for bf16's 8-bit significand, 2^-11 for fp16). Twice that leaves room
+    for fp32 summation-order differences; an absolute floor 2^-16·max|ref| covers outputs near zero."""
+    return 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+
+def make_case(M, N, K, R, out_dtype=torch.bfloat16, affine=True, scale_dtype=torch.float16, seed=0, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, K, device=device, generator=g)
+    w = torch.randn(N, K, device=device, generator=g)
+    a, wq = quantize(x, "int4", scale_dtype=scale_dtype), quantize(w, "int4", scale_dtype=scale_dtype)
+    la = lu = wcs = bias = None
+    if R:
+        la = torch.randn(M, R, device=device, generator=g).to(out_dtype)
+        lu = (0.1 * torch.randn(N, R, device=device, generator=g)).to(out_dtype)
+    if affine:
+        wcs = (1 + 0.1 * torch.randn(N, device=device, generator=g)).to(out_dtype)
+        bias = torch.randn(N, device=device, generator=g).to(out_dtype)
+    return a, wq, la, lu, wcs, bias
+
+def check_against_ref(out, case, out_dtype):
+    ref = w4a4_gemm_ref(*case)
+    assert not torch.isnan(out).any(), "unwritten or NaN outputs"
+    err = (out.float() - ref).abs()
+    bound = rtol_for(out_dtype) * ref.abs() + 2.0 ** -16 * ref.abs().max()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"max err/bound {worst:.3f}, rel {float((out.float()-ref).norm()/ref.norm()):.2e}"
+
+GRID = [  # M (tails included), N, K, R, out dtype, affine, cluster_n
+    (128, 128, 128, 16, torch.bfloat16, True, 1),
+    (300, 512, 1024, 128, torch.bfloat16, True, 1),
+    (777, 3840, 1536, 64, torch.float16, True, 1),
+    (1000, 1024, 3840, 32, torch.bfloat16, False, 1),
+    (4352, 3072, 3840, 32, torch.bfloat16, True, 1),
+    (257, 2048, 640, 0, torch.float16, False, 1),
+    (513, 3072, 2048, 128, torch.bfloat16, True, 2),
+    (64, 256, 256, 16, torch.float16, True, 2),
+]
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", ["v1"])
+@pytest.mark.parametrize("M, N, K, R, out_dtype, affine, cluster_n", GRID)
+def test_matches_reference(version, M, N, K, R, out_dtype, affine, cluster_n):
+    case = make_case(M, N, K, R, out_dtype, affine, seed=M + N + K + R)
+    out = torch.full((M, N), float("nan"), dtype=out_dtype, device="cuda")
+    sm90.gemm_w4a4(*case, out_dtype=out_dtype, version=version, cluster_n=cluster_n, out=out)
+    torch.cuda.synchronize()
+    check_against_ref(out, case, out_dtype)
+
+@pytest.mark.gpu
+def test_bfloat16_scales():
+    case = make_case(256, 256, 512, 32, scale_dtype=torch.bfloat16)
+    out = sm90.gemm_w4a4(*case)
+    torch.cuda.synchronize()
+    check_against_ref(out, case, torch.bfloat16)

@@ -1,0 +1,311 @@
+"""The shared-memory budget solver (w4a4_book/smem.py, chapter nbs/03_smem.ipynb)."""
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from w4a4_book.smem import (ARCHS, CONFIGS, DTYPE_BITS, FAMILIES, LORA_ACCOUNTING, BlackwellOrigConfig, HopperV1Config,
+                            Term, blackwell_orig_terms, check_config, explain, solve, struct_layout)
+
+
+def _budgets():
+    "Every named config under both accounting modes."
+    for name, cfg in CONFIGS.items():
+        for acct in LORA_ACCOUNTING:
+            c = replace(cfg, lora_accounting=acct)
+            try:
+                yield f"{name}/{acct}", solve(c)
+            except ValueError:
+                continue
+
+
+def _invariants(b):
+    assert sum(t.bytes for t in b.terms) + b.padding == b.total
+    assert b.padding >= 0
+    assert b.total <= b.capacity == ARCHS[b.config.arch].smem_per_block
+    assert b.allocated <= b.total
+    assert b.fixed + b.stages["main"] * b.per_stage == b.total
+    if b.config.lora_accounting == "per_cta":
+        assert b.allocated == b.total
+
+
+@pytest.mark.parametrize("name,b", list(_budgets()))
+def test_terms_sum_to_total_within_capacity(name, b):
+    _invariants(b)
+
+
+def test_arch_capacities():
+    assert ARCHS["sm_90"].smem_per_block == ARCHS["sm_100"].smem_per_block == 232_448
+    assert ARCHS["sm_120"].smem_per_block == 99 * 1024
+
+
+def test_arch_capacities_match_cute_dsl():
+    smem_allocator = pytest.importorskip("cutlass.utils.smem_allocator")
+    for arch, facts in ARCHS.items():
+        assert smem_allocator.SMEM_CAPACITY_MAP[arch] == facts.smem_per_block
+
+
+def test_group_size_matches_formats():
+    formats = pytest.importorskip("w4a4_book.formats")
+    from w4a4_book.smem import GROUP_SIZE
+    assert GROUP_SIZE == formats.GROUP_SIZE
+
+
+@pytest.mark.parametrize("cfg", [HopperV1Config(lora_rank=r) for r in (16, 32, 128, 256)]
+                         + [BlackwellOrigConfig(tile_m=128, cta_group=1, tile_n=n, lora_rank=r)
+                            for n in (128, 256) for r in (32, 128)])
+def test_single_cta_accounting_modes_agree(cfg):
+    per_cta, pair = solve(cfg), solve(replace(cfg, lora_accounting="pair"))
+    assert (per_cta.stages, per_cta.total, per_cta.allocated) == (pair.stages, pair.total, pair.allocated)
+
+
+@pytest.mark.parametrize("cfg", [HopperV1Config(cluster_n=2, lora_rank=128),
+                                 BlackwellOrigConfig(lora_rank=128),
+                                 BlackwellOrigConfig(tile_n=128, lora_rank=128)])
+def test_pair_accounting_costs_stages_at_large_rank(cfg):
+    assert solve(replace(cfg, lora_accounting="pair")).stages["main"] < solve(cfg).stages["main"]
+
+
+# (config name, accounting) -> (main stages, lora stages, epilogue stages, charged total, allocated);
+# None where not even one main stage fits. A change here is a change in the kernels' pipeline depth.
+PINNED = {
+    ("v1", "per_cta"): (9, 0, 0, 223_232, 223_232),
+    ("v1", "pair"): (9, 0, 0, 223_232, 223_232),
+    ("v1-r32", "per_cta"): (8, 1, 0, 222_208, 222_208),
+    ("v1-r32", "pair"): (8, 1, 0, 222_208, 222_208),
+    ("v1-r128", "per_cta"): (5, 1, 0, 219_136, 219_136),
+    ("v1-r128", "pair"): (5, 1, 0, 219_136, 219_136),
+    ("v1-2cta-r32", "per_cta"): (8, 1, 0, 222_208, 222_208),
+    ("v1-2cta-r32", "pair"): (8, 1, 0, 230_400, 222_208),
+    ("v1-2cta-r128", "per_cta"): (5, 1, 0, 219_136, 219_136),
+    ("v1-2cta-r128", "pair"): (3, 1, 0, 217_088, 184_320),
+    ("orig-256x256-r32", "per_cta"): (5, 1, 2, 228_352, 228_352),
+    ("orig-256x256-r32", "pair"): (4, 1, 5, 230_400, 214_016),
+    ("orig-256x256-r128", "per_cta"): (3, 1, 6, 232_448, 232_448),
+    ("orig-256x256-r128", "pair"): (2, 1, 2, 226_304, 160_768),
+    ("orig-256x128-r128", "per_cta"): (5, 1, 4, 226_304, 226_304),
+    ("orig-256x128-r128", "pair"): (4, 1, 2, 230_400, 181_248),
+    ("orig-256x128-r128-l2", "per_cta"): (4, 2, 2, 230_400, 230_400),
+    ("orig-256x128-r128-l2", "pair"): None,
+}
+
+
+def test_pinned_table_covers_named_configs():
+    assert set(PINNED) == {(n, a) for n in CONFIGS for a in LORA_ACCOUNTING}
+
+
+@pytest.mark.parametrize("key", list(PINNED))
+def test_pinned_stage_counts(key):
+    name, acct = key
+    cfg = replace(CONFIGS[name], lora_accounting=acct)
+    if PINNED[key] is None:
+        with pytest.raises(ValueError, match="lora_rank="):
+            solve(cfg)
+        return
+    b = solve(cfg)
+    assert (b.stages["main"], b.stages["lora"], b.stages["epi"], b.total, b.allocated) == PINNED[key]
+
+
+@pytest.mark.parametrize("bad,field,exc", [
+    (dict(tile_m=96), "tile_m", ValueError), (dict(tile_m=512), "tile_m", ValueError),
+    (dict(tile_n=100), "tile_n", ValueError), (dict(tile_n=0), "tile_n", ValueError),
+    (dict(tile_k=96), "tile_k", ValueError), (dict(tile_k=32), "tile_k", ValueError),
+    (dict(lora_rank=24), "lora_rank", ValueError), (dict(lora_rank=-16), "lora_rank", ValueError),
+    (dict(cluster_n=4), "cluster_n", ValueError), (dict(decode_stages=0), "decode_stages", ValueError),
+    (dict(lora_stages=0), "lora_stages", ValueError), (dict(stages=0), "stages", ValueError),
+    (dict(max_stages=0), "max_stages", ValueError),
+    (dict(arch="sm_89"), "arch", ValueError), (dict(arch="sm_100"), "arch", ValueError),
+    (dict(fmt="int8"), "fmt", ValueError), (dict(fmt="nvfp4"), "fmt", ValueError),
+    (dict(out_dtype="float8_e4m3fn"), "out_dtype", ValueError), (dict(scale_dtype="float32"), "scale_dtype", ValueError),
+    (dict(lora_dtype="float32"), "lora_dtype", ValueError), (dict(epilogue="smem"), "epilogue", ValueError),
+    (dict(lora_accounting="cluster"), "lora_accounting", ValueError),
+    (dict(tile_n=128.0), "tile_n", TypeError), (dict(lora_rank=True), "lora_rank", TypeError),
+])
+def test_check_config_names_the_field_hopper(bad, field, exc):
+    with pytest.raises(exc, match=rf"^{field}\b"):
+        check_config(HopperV1Config(**bad))
+
+
+@pytest.mark.parametrize("bad,field", [
+    (dict(tile_m=128), "tile_m"), (dict(cta_group=1), "tile_m"), (dict(cta_group=3), "cta_group"),
+    (dict(tile_n=192), "tile_n"), (dict(tile_k=96), "tile_k"), (dict(epi_stages=0), "epi_stages"),
+    (dict(out_dtype="float32"), "out_dtype"), (dict(arch="sm_90"), "arch"), (dict(fmt="int4"), "fmt"),
+    (dict(lora_rank=8), "lora_rank"),
+])
+def test_check_config_names_the_field_blackwell(bad, field):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        check_config(BlackwellOrigConfig(**bad))
+
+
+def test_check_config_rejects_other_types():
+    with pytest.raises(TypeError, match="cfg must be"):
+        check_config(dict(tile_m=128))
+
+
+def test_stage_override_and_caps():
+    assert solve(HopperV1Config(lora_rank=32, stages=2)).stages["main"] == 2
+    assert solve(HopperV1Config(lora_rank=32, max_stages=3)).stages["main"] == 3
+    assert solve(HopperV1Config(lora_rank=32), k=256).stages["main"] == 2
+    assert solve(HopperV1Config(lora_rank=32), k=100_000).stages["main"] == 8
+    with pytest.raises(ValueError, match=r"^stages=9"):
+        solve(HopperV1Config(lora_rank=32, stages=9))
+    with pytest.raises(ValueError, match=r"^k="):
+        solve(HopperV1Config(), k=0)
+
+
+def test_no_fit_names_the_culprit():
+    with pytest.raises(ValueError, match=r"^lora_rank=256"):
+        solve(HopperV1Config(lora_rank=256, lora_stages=2))
+    with pytest.raises(ValueError, match=r"^decode_stages=8"):
+        solve(HopperV1Config(decode_stages=8))
+    with pytest.raises(ValueError, match=r"^tile_m="):
+        solve(HopperV1Config(tile_m=256, tile_n=256, tile_k=256))
+
+
+def test_solved_stage_count_is_the_largest_that_fits():
+    for _, b in _budgets():
+        more = replace(b.config, stages=b.stages["main"] + 1)
+        with pytest.raises(ValueError, match=r"^stages="):
+            solve(more)
+
+
+def test_term_validation():
+    with pytest.raises(ValueError, match="^dtype="):
+        Term("x", 8, 8, "int7", None, "")
+    with pytest.raises(ValueError, match="^per_stage="):
+        Term("x", 8, 8, "int64", "k", "")
+    with pytest.raises(ValueError, match="^bytes="):
+        Term("x", 3, 2, "bfloat16", None, "")
+    with pytest.raises(ValueError, match="^align="):
+        Term("x", 8, 24, "int64", None, "")
+
+
+def test_explain():
+    text = explain("v1-2cta-r128")
+    assert text.splitlines()[0] == CONFIGS["v1-2cta-r128"].label
+    assert "lora_up" in text and "(alignment)" in text
+    assert "charged but never allocated" in explain(replace(CONFIGS["v1-2cta-r128"], lora_accounting="pair"))
+    with pytest.raises(ValueError, match="^cfg="):
+        explain("no-such-config")
+
+
+# ---- the layout rule is cute.struct's rule ----
+
+_CUTE_TYPES = {"int64": "Int64", "int32": "Int32", "float32": "Float32", "bfloat16": "BFloat16", "float16": "Float16",
+               "uint8": "Uint8", "int8": "Int8", "float8_e4m3fn": "Float8E4M3FN", "float4_e2m1fn": "Float4E2M1FN"}
+
+
+def _cute_struct(terms):
+    "A real cute.struct declaring the non-empty `terms` in order, as a kernel builds its SharedStorage."
+    cutlass = pytest.importorskip("cutlass")
+    cute = pytest.importorskip("cutlass.cute")
+    ann = {t.name: cute.struct.Align[cute.struct.MemRange[getattr(cutlass, _CUTE_TYPES[t.dtype]), t.elements], t.align]
+           for t in terms if t.bytes}
+    return cute.struct(type("SharedStorage", (), {"__annotations__": ann}))
+
+
+@pytest.mark.parametrize("name,b", list(_budgets()))
+def test_budget_fields_match_cute_struct(name, b):
+    "The struct a kernel builds from `budget.fields` has `budget.allocated` bytes, and the per_cta budget's offsets."
+    s = _cute_struct(b.fields)
+    assert s.size_in_bytes() == b.allocated == struct_layout(FAMILIES[type(b.config)].terms(b.config, b.stages, "per_cta"))[1]
+    if b.config.lora_accounting == "per_cta":
+        assert (s._offsets, s.size_in_bytes()) == (b.offsets, b.total)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.sampled_from([1, 2, 4, 8, 128, 1024]), st.sampled_from(sorted(DTYPE_BITS))),
+                min_size=1, max_size=8))
+def test_struct_layout_is_cute_struct(spec):
+    terms = [Term(f"f{i}", n * max(1, DTYPE_BITS[d] // 8), a, d, None, "") for i, (n, a, d) in enumerate(spec)]
+    if not any(t.bytes for t in terms):
+        return
+    offsets, size = struct_layout(terms)
+    s = _cute_struct(terms)
+    assert (s._offsets, s.size_in_bytes()) == (offsets, size)
+
+
+# ---- properties over the config space ----
+
+hopper_configs = st.builds(
+    HopperV1Config, tile_m=st.sampled_from([64, 128, 192, 256]), tile_n=st.integers(1, 32).map(lambda x: 8 * x),
+    tile_k=st.sampled_from([64, 128, 192, 256]), cluster_n=st.sampled_from([1, 2]),
+    lora_rank=st.integers(0, 16).map(lambda x: 16 * x), lora_stages=st.integers(1, 3), decode_stages=st.integers(1, 3),
+    out_dtype=st.sampled_from(["bfloat16", "float16", "float32"]), epilogue=st.sampled_from(["tile", "none"]),
+    lora_accounting=st.sampled_from(LORA_ACCOUNTING), max_stages=st.none() | st.integers(1, 12))
+blackwell_configs = st.sampled_from([1, 2]).flatmap(lambda c: st.builds(
+    BlackwellOrigConfig, cta_group=st.just(c), tile_m=st.just(128 * c), tile_n=st.sampled_from([128, 256]),
+    tile_k=st.sampled_from([64, 128, 256]), lora_rank=st.integers(0, 16).map(lambda x: 16 * x),
+    lora_stages=st.integers(1, 3), epi_stages=st.integers(1, 4), out_dtype=st.sampled_from(["float16", "bfloat16"]),
+    lora_accounting=st.sampled_from(LORA_ACCOUNTING)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(hopper_configs | blackwell_configs)
+def test_solve_never_exceeds_capacity_and_terms_sum(cfg):
+    try:
+        b = solve(cfg)
+    except ValueError as e:
+        assert str(e).split("=")[0] in {"lora_rank", "decode_stages", "epi_stages", "tile_m"}
+        return
+    _invariants(b)
+    per_cta = solve(replace(cfg, lora_accounting="per_cta"))
+    assert per_cta.stages["main"] >= b.stages["main"]
+
+
+# ---- the Blackwell model against the CUTLASS helpers the original sizes its buffers with ----
+
+_PROBE = r'''
+import json
+import cutlass, cutlass.cute as cute, cutlass.utils as utils
+import cutlass.utils.blackwell_helpers as sm100
+import cutlass.utils.blockscaled_layout as bs
+from cutlass.cute.nvgpu import tcgen05
+out = {}
+@cute.jit
+def probe(m: cutlass.Constexpr, n: cutlass.Constexpr, k: cutlass.Constexpr, two: cutlass.Constexpr, R: cutlass.Constexpr):
+    K = tcgen05.OperandMajorMode.K
+    cg = tcgen05.CtaGroup.TWO if two else tcgen05.CtaGroup.ONE
+    ab, sf, c = cutlass.Float4E2M1FN, cutlass.Float8E4M3FN, cutlass.Float16
+    mma = sm100.make_blockscaled_trivial_tiled_mma(ab, K, K, sf, 16, cg, (m, n))
+    tiler = (m, n, k)
+    cta = (m // cute.size(mma.thr_id.shape), n, tiler[2])
+    epi = sm100.compute_epilogue_tile_shape(cta, two, utils.LayoutEnum.ROW_MAJOR, c)
+    lora = sm100.make_trivial_tiled_mma(ab_dtype=c, a_leading_mode=K, b_leading_mode=K, acc_dtype=cutlass.Float32,
+                                        cta_group=cg, mma_tiler_mn=(m, n))
+    out[f"{m},{n},{k},{R}"] = dict(
+        mma_k=cute.size(mma.shape_mnk, mode=[2]),
+        a_packed=cute.size_in_bytes(ab, sm100.make_smem_layout_a(mma, tiler, ab, 1)),
+        b_packed=cute.size_in_bytes(ab, sm100.make_smem_layout_b(mma, tiler, ab, 1)),
+        a_scales=cute.size_in_bytes(sf, bs.make_smem_layout_sfa(mma, tiler, 16, 1)),
+        b_scales=cute.size_in_bytes(sf, bs.make_smem_layout_sfb(mma, tiler, 16, 1)),
+        epilogue=cute.size_in_bytes(c, sm100.make_smem_layout_epi(c, utils.LayoutEnum.ROW_MAJOR, epi, 1)),
+        lora_act=cute.size_in_bytes(c, sm100.make_smem_layout_a(lora, (m, n, R), c, 1)),
+        lora_up=cute.size_in_bytes(c, sm100.make_smem_layout_b(lora, (m, n, R), c, 1)))
+for m, n, k, two, R in %s:
+    cute.compile(probe, m, n, k, two, R)
+print(json.dumps(out))
+'''
+_PROBED = [(256, 256, 256, True, 32), (256, 256, 256, True, 128), (256, 128, 256, True, 128), (256, 256, 128, True, 64),
+           (128, 256, 256, False, 32), (128, 128, 64, False, 64)]
+
+
+def test_blackwell_model_matches_cutlass_layouts(tmp_path):
+    "Per-stage bytes of the model equal what the sm100 layout helpers allocate (traced on CPU, IR only)."
+    pytest.importorskip("cutlass")
+    env = {**os.environ, "CUTE_DSL_DRYRUN": "1"}
+    script = tmp_path / "probe_sm100_layouts.py"   # the DSL parses its functions from a source file
+    script.write_text(_PROBE % repr(_PROBED))
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    probed = json.loads(run.stdout.strip().splitlines()[-1])
+    for m, n, k, two, R in _PROBED:
+        got = probed[f"{m},{n},{k},{R}"]
+        assert 4 * got.pop("mma_k") == BlackwellOrigConfig().tile_k   # the original's tile_k: four NVFP4 MMAs
+        cfg = BlackwellOrigConfig(tile_m=m, tile_n=n, cta_group=2 if two else 1, tile_k=k, lora_rank=R)
+        model = {t.name: t.bytes for t in blackwell_orig_terms(cfg, dict(main=1, lora=1, epi=1), "per_cta")}
+        assert {name: model[name] for name in got} == got, (m, n, k, two, R)
