@@ -223,3 +223,10 @@ def test_unpack_rejects_non_contiguous():
         unpack_int4(data.T)
     with pytest.raises(ValueError, match="codes must lie in 0..15"):
         pack_nibbles(torch.full((1, 2), 16, dtype=torch.uint8))
+
+
+def test_empty_rows_and_to():
+    for fmt in GROUP_SIZE:
+        q = quantize(torch.zeros(0, 128), fmt)
+        assert q.shape == (0, 128) and dequantize(q).shape == (0, 128)
+        assert q.to("cpu").shape == q.shape and q.to("cpu").fmt == fmt

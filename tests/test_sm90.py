@@ -36,7 +36,8 @@ def test_cpu_tensors_rejected_before_launch():
         sm90.gemm_w4a4(a, w, la, lu)
 
 @pytest.mark.parametrize("version, R, cluster_n, accounting", [
-    ("v1", 32, 1, "per_cta"), ("v1", 0, 1, "per_cta"), ("v1", 128, 2, "per_cta"), ("v1", 128, 2, "pair")])
+    ("v1", 32, 1, "per_cta"), ("v1", 0, 1, "per_cta"), ("v1", 128, 2, "per_cta"), ("v1", 128, 2, "pair"),
+    ("v2", 32, 1, "per_cta"), ("v2", 0, 1, "per_cta"), ("v2", 128, 2, "per_cta"), ("v2", 128, 2, "pair")])
 def test_compiled_smem_equals_solver(version, R, cluster_n, accounting):
     rep = sm90.compile_kernel(version, sm90.Problem(4352, 3072, 3840, R), cluster_n=cluster_n, lora_accounting=accounting)
     assert rep.smem_bytes == rep.budget.allocated
@@ -87,7 +88,7 @@ GRID = [  # M (tails included), N, K, R, out dtype, affine, cluster_n
 ]
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", ["v1"])
+@pytest.mark.parametrize("version", ["v1", "v2"])
 @pytest.mark.parametrize("M, N, K, R, out_dtype, affine, cluster_n", GRID)
 def test_matches_reference(version, M, N, K, R, out_dtype, affine, cluster_n):
     case = make_case(M, N, K, R, out_dtype, affine, seed=M + N + K + R)

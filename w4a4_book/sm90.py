@@ -4,11 +4,11 @@
 
 # %% auto #0
 __all__ = ['NIBBLE_MASK', 'sext_nibbles_ref', 'sext_nibbles', 'decode_row_ref', 'kernel_k_order', 'word_view', 'decode_tile',
-           'promote', 'apply_affine', 'store_tile', 'allocated_terms', 'storage_from_budget', 'check_term',
-           'W4A4GemmV1', 'check_gemm_inputs', 'Problem', 'kernel_config', 'build_kernel', 'CompileReport',
-           'compile_kernel', 'gemm_w4a4']
+           'promote', 'apply_affine', 'store_tile', 'storage_from_budget', 'check_term', 'W4A4GemmV1',
+           'check_gemm_inputs', 'Problem', 'kernel_config', 'build_kernel', 'CompileReport', 'compile_kernel',
+           'gemm_w4a4']
 
-# %% ../nbs/04_v1.ipynb #795687c2
+# %% ../nbs/04_v1.ipynb #fca11a7c
 import math, functools, os, re
 from dataclasses import dataclass
 import torch
@@ -25,7 +25,7 @@ import w4a4_book.smem as smem
 import w4a4_book.formats as formats
 from .formats import QTensor
 
-# %% ../nbs/04_v1.ipynb #4d603d65
+# %% ../nbs/04_v1.ipynb #1ee1cfe0
 NIBBLE_MASK = 0x0F0F0F0F  # keeps the low nibble of each byte
 
 def sext_nibbles_ref(x):
@@ -38,7 +38,7 @@ def sext_nibbles(x: cutlass.Uint32) -> cutlass.Uint32:
     "Device decode: four unsigned nibbles, one in the low half of each byte, become four signed int8 lanes."
     return ((x ^ cutlass.Uint32(0x08080808)) + cutlass.Uint32(0x78787878)) ^ cutlass.Uint32(0x80808080)
 
-# %% ../nbs/04_v1.ipynb #129bd300
+# %% ../nbs/04_v1.ipynb #1e655073
 def decode_row_ref(packed_row):
     "Decode one packed uint8 row the way the kernel does; returns int8 values in the kernel's K order."
     w = np.frombuffer(np.ascontiguousarray(packed_row, dtype=np.uint8).tobytes(), dtype=np.uint32)
@@ -51,7 +51,7 @@ def kernel_k_order(k):
     chunk = np.array([0, 2, 4, 6, 1, 3, 5, 7])
     return (np.arange(0, k, 8)[:, None] + chunk[None, :]).reshape(-1)
 
-# %% ../nbs/04_v1.ipynb #ac04a7ef
+# %% ../nbs/04_v1.ipynb #54a8bd6f
 def word_view(ptr, layout8):
     "A 32-bit-word view of an int8 shared-memory buffer laid out by the composed (swizzled) `layout8`."
     b, m, s = (int(v) for v in re.findall(r"\d+", str(layout8.inner))[:3])
@@ -59,7 +59,7 @@ def word_view(ptr, layout8):
     return cute.make_tensor(wptr, cute.make_composed_layout(cute.make_swizzle(b, m - 2, s), 0,
                                                               cute.recast_layout(32, 8, layout8.outer)))
 
-# %% ../nbs/04_v1.ipynb #bd3eaf5f
+# %% ../nbs/04_v1.ipynb #d2d00c11
 @cute.jit
 def decode_tile(src, dst, stage, tidx, rows: cutlass.Constexpr, tile_k: cutlass.Constexpr,
                 nthreads: cutlass.Constexpr):
@@ -99,9 +99,12 @@ def apply_affine(acc, tCcC, mWcs, mBias, n0, has_scale: cutlass.Constexpr, has_b
 
 @cute.jit
 def store_tile(acc, sC, gC, tma_c, tiled_mma, epi_tile: cutlass.Constexpr, c_dtype: cutlass.Constexpr,
-               tidx, warp_idx):
+               tidx, is_store_warp, barrier_id: cutlass.Constexpr, barrier_threads: cutlass.Constexpr):
     """Registers → shared memory (stmatrix, one buffer per epilogue sub-tile) → global (TMA store).
-    sC: (EPI_M, EPI_N, EPI_TILES); gC: (BM, BN). TMA clips rows past M."""
+    sC: (EPI_M, EPI_N, EPI_TILES); gC: (BM, BN). TMA clips rows past M. `tidx` counts from the first
+    thread of the `barrier_threads` that own `acc`; one warp of them, `is_store_warp`, issues the stores."""
+    sync = lambda: cute.arch.barrier(barrier_id=barrier_id, number_of_threads=barrier_threads)
+    sync()                                   # the previous tile's TMA store has finished reading sC
     atom_r2s = sm90_utils.sm90_get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, elem_ty_d=c_dtype,
                                                  elem_ty_acc=cutlass.Float32)
     atom_c = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), c_dtype)
@@ -127,24 +130,18 @@ def store_tile(acc, sC, gC, tma_c, tiled_mma, epi_tile: cutlass.Constexpr, c_dty
         out.store(rD.load().to(c_dtype))
         cute.copy(tiled_r2s, out, tRS_sC[(None, None, None, e)])
     cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-    cute.arch.sync_threads()
-    if warp_idx == 0:
+    sync()                                   # sC complete before the copy engine reads it
+    if is_store_warp:
         for e in cutlass.range_constexpr(n_epi):
             cute.copy(tma_c, bSG_sC[(None, e)], bSG_gC[(None, epi_order.get_hier_coord(e))])
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-# %% ../nbs/04_v1.ipynb #afbdb54b
-def allocated_terms(budget):
-    """The terms the kernel really allocates: the budget's stage counts, with each CTA's own LoRA share.
-    Under `lora_accounting="pair"` the budget *charged* more than this; the difference is never allocated."""
-    cfg = budget.config
-    return smem.FAMILIES[type(cfg)].terms(cfg, budget.stages, "per_cta")
-
+# %% ../nbs/04_v1.ipynb #2e8f00ca
 def storage_from_budget(budget, dtypes):
     "A `cute.struct` with one aligned `MemRange` per allocated budget term; `dtypes` maps term name → element type."
     ann = {}
-    for t in allocated_terms(budget):
+    for t in budget.fields:
         if t.bytes == 0: continue
         dt = dtypes[t.name]
         if dt.width != t.dtype_bits:
@@ -154,12 +151,12 @@ def storage_from_budget(budget, dtypes):
 
 def check_term(budget, name, layout, dtype):
     "Raise unless the buffer `layout` of `dtype` fills budget term `name` exactly."
-    want = {t.name: t.bytes for t in allocated_terms(budget)}[name]
+    want = {t.name: t.bytes for t in budget.fields}[name]
     nbytes = cute.cosize(layout) * dtype.width // 8
     if nbytes != want:
         raise AssertionError(f"smem term {name!r}: kernel buffer {nbytes} B, solver {want} B")
 
-# %% ../nbs/04_v1.ipynb #7c2db622
+# %% ../nbs/04_v1.ipynb #fb942e68
 class W4A4GemmV1:
     "v1: one CTA per 128×128 tile, 256 threads that all run the same K-loop, one TMA pipeline."
     threads = 256                      # two MMA warpgroups, each owns 64 rows of the tile
@@ -180,8 +177,9 @@ class W4A4GemmV1:
         L["a_scales"] = cute.make_layout((bm, bk // G, S), stride=(1, bm, bm * bk // G))
         L["b_scales"] = cute.make_layout((bn, bk // G, S), stride=(1, bn, bn * bk // G))
         row = utils.LayoutEnum.ROW_MAJOR
-        L["a_decoded"] = sm90_utils.make_smem_layout_a(row, (bm, bn, bk), cutlass.Int8, 1)
-        L["b_decoded"] = sm90_utils.make_smem_layout_b(row, (bm, bn, bk), cutlass.Int8, 1)
+        D = self.budget.stages["decode"]
+        L["a_decoded"] = sm90_utils.make_smem_layout_a(row, (bm, bn, bk), cutlass.Int8, D)
+        L["b_decoded"] = sm90_utils.make_smem_layout_b(row, (bm, bn, bk), cutlass.Int8, D)
         if R:
             L["lora_act"] = sm90_utils.make_smem_layout_a(row, (bm, bn, R), self.lora_dtype, 1)
             L["lora_up"] = sm90_utils.make_smem_layout_b(row, (bm, bn, R), self.lora_dtype, 1)
@@ -189,56 +187,61 @@ class W4A4GemmV1:
         L["epilogue"] = sm90_utils.make_smem_layout_epi(self.c_dtype, row, self.epi_tile, n_epi)
         return L
 
+    def _setup(self, mA, mSA, mLA, mC):
+        "Host side, while tracing: element types, smem layouts checked against the budget, the storage struct, the tiled MMAs."
+        bm, bn, bk, R, G = self.bm, self.bn, self.bk, self.rank, formats.GROUP_SIZE["int4"]
+        self.scale_dtype, self.lora_dtype, self.c_dtype = mSA.element_type, mLA.element_type, mC.element_type
+        self.epi_tile = sm90_utils.compute_tile_shape_or_override((bm, bn, bk), self.c_dtype, is_cooperative=True)
+        self.layouts = self._layouts()
+        dtypes = dict(a_packed=cutlass.Uint8, b_packed=cutlass.Uint8, a_scales=self.scale_dtype,
+                      b_scales=self.scale_dtype, a_decoded=cutlass.Int8, b_decoded=cutlass.Int8,
+                      a_scales_dec=self.scale_dtype, b_scales_dec=self.scale_dtype, lora_act=self.lora_dtype,
+                      lora_up=self.lora_dtype, epilogue=self.c_dtype)
+        for name, layout in self.layouts.items():
+            check_term(self.budget, name, layout, dtypes[name])
+        barriers = {t.name: cutlass.Int64 for t in self.budget.fields if t.dtype == "int64"}
+        self.storage = storage_from_budget(self.budget, {**dtypes, **barriers})
+        mk = lambda ab, c: sm90_utils.make_trivial_tiled_mma(
+            ab, ab, cute.nvgpu.warpgroup.OperandMajorMode.K, cute.nvgpu.warpgroup.OperandMajorMode.K,
+            c, (2, 1, 1), tiler_mn=(64, bn))
+        self.mma_i8, self.mma_lora = mk(cutlass.Int8, cutlass.Int32), mk(self.lora_dtype, cutlass.Float32)
+        # bytes that land in one stage: the transaction count its full barrier expects
+        self.tx_main = (bm + bn) * (bk // 2) + (bm + bn) * (bk // G) * self.scale_dtype.width // 8
+        self.tx_lora = (bm + bn) * R * self.lora_dtype.width // 8
+
+    def _tmas(self, mA, mB, mSA, mSW, mLA, mLU, mC, multicast_lora=False):
+        "TMA atoms and their global views, in kernel-argument order; A (and with `multicast_lora` the LoRA activations) multicast across a pair."
+        bm, bn, bk, R, mc, G = self.bm, self.bn, self.bk, self.rank, self.cluster_n, formats.GROUP_SIZE["int4"]
+        L, cp = self.layouts, cute.nvgpu.cpasync
+        g2s, mcast = cp.CopyBulkTensorTileG2SOp(), cp.CopyBulkTensorTileG2SMulticastOp()
+        tma = lambda t, name, box, op=g2s, n=1: cp.make_tiled_tma_atom(op, t, cute.slice_(L[name], (None, None, 0)), box, num_multicast=n)
+        out = list(tma(mA, "a_packed", (bm, bk // 2), mcast if mc > 1 else g2s, mc))
+        out += tma(mB, "b_packed", (bn, bk // 2))
+        out += tma(mSA, "a_scales", (bm, bk // G))
+        out += tma(mSW, "b_scales", (bn, bk // G))
+        if R:
+            lmc = mc if multicast_lora else 1
+            out += tma(mLA, "lora_act", (bm, R), mcast if lmc > 1 else g2s, lmc)
+            out += tma(mLU, "lora_up", (bn, R))
+        else:
+            out += [None, None, None, None]
+        out += tma(mC, "epilogue", self.epi_tile, cp.CopyBulkTensorTileS2GOp())
+        return out
+
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor,
                  mLA: cute.Tensor, mLU: cute.Tensor, mWcs: cute.Tensor, mBias: cute.Tensor,
                  mC: cute.Tensor, stream: cuda.CUstream):
         """mA (M, K/2) u8, mB (N, K/2) u8, mSA (M, K/64), mSW (N, K/64) 16-bit (M/N contiguous),
         mLA (M, R), mLU (N, R) 16-bit, mWcs/mBias (N,), mC (M, N)."""
-        bm, bn, bk, R, mc, G = self.bm, self.bn, self.bk, self.rank, self.cluster_n, formats.GROUP_SIZE["int4"]
-        self.scale_dtype, self.lora_dtype, self.c_dtype = mSA.element_type, mLA.element_type, mC.element_type
-        self.epi_tile = sm90_utils.compute_tile_shape_or_override((bm, bn, bk), self.c_dtype, is_cooperative=True)
-        L = self._layouts()
-        dtypes = dict(main_full=cutlass.Int64, main_empty=cutlass.Int64, lora_full=cutlass.Int64,
-                      lora_empty=cutlass.Int64, a_packed=cutlass.Uint8, b_packed=cutlass.Uint8,
-                      a_scales=self.scale_dtype, b_scales=self.scale_dtype, a_decoded=cutlass.Int8,
-                      b_decoded=cutlass.Int8, lora_act=self.lora_dtype, lora_up=self.lora_dtype,
-                      epilogue=self.c_dtype)
-        for name, layout in L.items():
-            check_term(self.budget, name, layout, dtypes[name])
-        self.storage = storage_from_budget(self.budget, dtypes)
-
-        K = cute.size(mA, mode=[1]) * 2
-        mk = lambda a, b: sm90_utils.make_trivial_tiled_mma(
-            a, a, cute.nvgpu.warpgroup.OperandMajorMode.K, cute.nvgpu.warpgroup.OperandMajorMode.K,
-            b, (2, 1, 1), tiler_mn=(64, bn))
-        mma_i8, mma_lora = mk(cutlass.Int8, cutlass.Int32), mk(self.lora_dtype, cutlass.Float32)
-
-        cp = cute.nvgpu.cpasync
-        tma = lambda t, name, box, op=cp.CopyBulkTensorTileG2SOp(), **kw: cp.make_tiled_tma_atom(
-            op, t, cute.slice_(L[name], (None, None, 0)), box, **kw)
-        a_op = cp.CopyBulkTensorTileG2SOp()
-        if cutlass.const_expr(mc > 1):
-            a_op = cp.CopyBulkTensorTileG2SMulticastOp()
-        tma_a, tA = tma(mA, "a_packed", (bm, bk // 2), a_op, num_multicast=mc)
-        tma_b, tB = tma(mB, "b_packed", (bn, bk // 2))
-        tma_sa, tSA = tma(mSA, "a_scales", (bm, bk // G))
-        tma_sw, tSW = tma(mSW, "b_scales", (bn, bk // G))
-        tma_la, tLA, tma_lu, tLU = None, None, None, None
-        if cutlass.const_expr(R > 0):
-            tma_la, tLA = tma(mLA, "lora_act", (bm, R))
-            tma_lu, tLU = tma(mLU, "lora_up", (bn, R))
-        tma_c, tC = tma(mC, "epilogue", self.epi_tile, cp.CopyBulkTensorTileS2GOp())
-        # bytes that land in one stage, i.e. the transaction count its full barrier expects
-        self.tx_main = (bm + bn) * (bk // 2) + (bm + bn) * (bk // G) * self.scale_dtype.width // 8
-        self.tx_lora = (bm + bn) * R * self.lora_dtype.width // 8
-
+        self._setup(mA, mSA, mLA, mC)
+        L = self.layouts
         M, N = cute.size(mC, mode=[0]), cute.size(mC, mode=[1])
-        self.kernel(tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sw, tSW, tma_la, tLA, tma_lu, tLU, tma_c, tC,
-                    mWcs, mBias, mma_i8, mma_lora, L["a_packed"], L["b_packed"], L["a_scales"],
-                    L["b_scales"], L["a_decoded"], L["b_decoded"], L.get("lora_act"), L.get("lora_up"),
-                    L["epilogue"]).launch(grid=((M + bm - 1) // bm, N // bn, 1), block=[self.threads, 1, 1],
-                                          cluster=(1, mc, 1), stream=stream)
+        self.kernel(*self._tmas(mA, mB, mSA, mSW, mLA, mLU, mC), mWcs, mBias, self.mma_i8, self.mma_lora,
+                    L["a_packed"], L["b_packed"], L["a_scales"], L["b_scales"], L["a_decoded"], L["b_decoded"],
+                    L.get("lora_act"), L.get("lora_up"), L["epilogue"]).launch(
+            grid=((M + self.bm - 1) // self.bm, N // self.bn, 1), block=[self.threads, 1, 1],
+            cluster=(1, self.cluster_n, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, tma_a, mA, tma_b, mB, tma_sa, mSA, tma_sw, mSW, tma_la, mLA, tma_lu, mLU, tma_c, mC,
@@ -375,7 +378,7 @@ class W4A4GemmV1:
         if cutlass.const_expr(mc > 1):
             cute.arch.cluster_arrive()       # no CTA of the pair exits while its peer may still multicast into it
             cute.arch.cluster_wait()
-        store_tile(acc, sC, gC, tma_c, mma_i8, self.epi_tile, self.c_dtype, tidx, warp_idx)
+        store_tile(acc, sC, gC, tma_c, mma_i8, self.epi_tile, self.c_dtype, tidx, warp_idx == 0, 1, self.threads)
 
     @cute.jit
     def load(self, main_pipe, prod, a_mcast_mask, a, b, sa, sw):
@@ -388,7 +391,7 @@ class W4A4GemmV1:
             cute.copy(atom, g[None, k], sm[None, s], tma_bar_ptr=bar)
         main_pipe.producer_commit(prod)
 
-# %% ../nbs/04_v1.ipynb #b1a52c6b
+# %% ../nbs/04_v1.ipynb #29589357
 def _fail(kind, arg, msg): raise kind(f"{arg}: {msg}")
 
 def check_gemm_inputs(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None,
@@ -434,7 +437,7 @@ def check_gemm_inputs(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias
         if cc != (9, 0): _fail(RuntimeError, "device", f"{torch.cuda.get_device_name(dev)} is sm_{cc[0]}{cc[1]}; this kernel needs sm_90 (Hopper)")
     return M, N, K, R
 
-# %% ../nbs/04_v1.ipynb #a8e6970e
+# %% ../nbs/04_v1.ipynb #0ec3cbf8
 @dataclass(frozen=True)
 class Problem:
     "Everything a compiled kernel is specialised on."
@@ -482,7 +485,7 @@ def build_kernel(version, p: Problem, cluster_n=1, stages=None, lora_accounting=
         return W4A4GemmV2(budget, has_scale=p.has_scale, has_bias=p.has_bias), budget
     return W4A4GemmV1(budget, has_scale=p.has_scale, has_bias=p.has_bias), budget
 
-# %% ../nbs/04_v1.ipynb #3e006cac
+# %% ../nbs/04_v1.ipynb #e604b534
 @dataclass
 class CompileReport:
     "What compiling a kernel produced."
@@ -515,7 +518,7 @@ def compile_kernel(version="v1", problem=None, arch="sm_90a", cluster_n=1, stage
         ptx = "".join(open(os.path.join(d, f), errors="replace").read() for f in os.listdir(d) if f.endswith(".ptx"))
     return CompileReport(version, arch, p, budget, kernel.storage.size_in_bytes(), secs, ptx)
 
-# %% ../nbs/04_v1.ipynb #2ec6f53d
+# %% ../nbs/04_v1.ipynb #e7fe5552
 def _as_cute(t):
     from cutlass.cute.runtime import from_dlpack
     return from_dlpack(t, assumed_align=16)

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALIGN', 'SWIZZLE_128B_ALIGN', 'DTYPE_BITS',
            'STAGE_KINDS', 'LORA_ACCOUNTING', 'GROUP_SIZE', 'SM100_EPI_TILE', 'FAMILIES', 'CONFIGS', 'ArchFacts', 'Term',
-           'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms', 'blackwell_orig_terms',
-           'Family', 'check_config', 'Budget', 'solve', 'explain']
+           'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms', 'HopperV2Config',
+           'hopper_v2_terms', 'blackwell_orig_terms', 'Family', 'check_config', 'Budget', 'solve', 'explain']
 
 # %% ../nbs/03_smem.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -167,6 +167,27 @@ def hopper_v1_terms(cfg: HopperV1Config, stages: dict, accounting: str) -> list:
                "the output tile staged for one TMA store" if staged else "stored straight from registers")]
     return t
 
+# %% ../nbs/03_smem.ipynb #fe2acfba
+@dataclass(frozen=True)
+class HopperV2Config(HopperV1Config):
+    "Hopper v2: v1's buffers plus a decode ring between the decode warpgroup and the MMA warpgroups."
+    decode_stages: int = 2
+    family: ClassVar[str] = "hopper_v2"
+
+def hopper_v2_terms(cfg: HopperV2Config, stages: dict, accounting: str) -> list:
+    "v1's SharedStorage plus the decode ring's barriers and each decoded stage's copy of the scales."
+    D, BM, BN, BK, G = stages["decode"], cfg.tile_m, cfg.tile_n, cfg.tile_k, GROUP_SIZE[cfg.fmt]
+    sb = DTYPE_BITS[cfg.scale_dtype] // 8
+    t = hopper_v1_terms(cfg, stages, accounting)
+    after = lambda name: next(i for i, x in enumerate(t) if x.name == name) + 1
+    t[after("main_empty"):after("main_empty")] = [
+        Term("dec_full", MBARRIER_BYTES * D, MBARRIER_BYTES, "int64", "decode", "the decode warpgroup has filled a decoded stage"),
+        Term("dec_empty", MBARRIER_BYTES * D, MBARRIER_BYTES, "int64", "decode", "the MMA warpgroups hand a decoded stage back")]
+    t[after("b_decoded"):after("b_decoded")] = [
+        Term("a_scales_dec", D * BK // G * BM * sb, TMA_SMEM_ALIGN, cfg.scale_dtype, "decode", "the stage's row scales, copied so the packed stage frees early"),
+        Term("b_scales_dec", D * BK // G * BN * sb, TMA_SMEM_ALIGN, cfg.scale_dtype, "decode", "the stage's column scales, likewise")]
+    return t
+
 # %% ../nbs/03_smem.ipynb #2682fd44
 SM100_EPI_TILE = (128, 32)  # compute_epilogue_tile_shape: 128-row CTA tile, 16-bit output, no C source (cutlass-dsl 4.3.5)
 
@@ -250,6 +271,8 @@ class Family:
 
 FAMILIES = {
     HopperV1Config: Family(hopper_v1_terms, _check_hopper_v1, archs=("sm_90",), fmt="int4",
+                           given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=0)),
+    HopperV2Config: Family(hopper_v2_terms, _check_hopper_v1, archs=("sm_90",), fmt="int4",
                            given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=0)),
     BlackwellOrigConfig: Family(blackwell_orig_terms, _check_blackwell_orig, archs=("sm_100",), fmt="nvfp4", fill="epi",
                                 given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
@@ -364,6 +387,10 @@ CONFIGS = {
     "v1-r128": HopperV1Config(lora_rank=128),
     "v1-2cta-r32": HopperV1Config(cluster_n=2, lora_rank=32),
     "v1-2cta-r128": HopperV1Config(cluster_n=2, lora_rank=128),
+    "v2-r32": HopperV2Config(lora_rank=32),
+    "v2-r128": HopperV2Config(lora_rank=128),
+    "v2-2cta-r32": HopperV2Config(cluster_n=2, lora_rank=32),
+    "v2-2cta-r128": HopperV2Config(cluster_n=2, lora_rank=128),
     "orig-256x256-r32": BlackwellOrigConfig(lora_rank=32),
     "orig-256x256-r128": BlackwellOrigConfig(lora_rank=128),
     "orig-256x128-r128": BlackwellOrigConfig(tile_n=128, lora_rank=128),

@@ -1,0 +1,121 @@
+"The book: one config at the root, the sidebar in reading order, and a full render in which every written chapter appears."
+import contextlib
+import html
+import io
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from w4a4_book.cli import drop_missing, render_book, sidebar_files
+
+ROOT = Path(__file__).resolve().parent.parent
+NBS = ROOT/"nbs"
+CHAPTERS = ["index", "01_formats", "02_reference", "03_smem", "04_v1", "05_v2", "06_lora_bug", "07_pipeline_depth",
+            "08_layer", "09_bench", "10_blackwell", "11_gotchas"]
+APPENDIX = ["12_running", "13_cli", "14_records"]
+CONFIG = yaml.safe_load((ROOT/"_quarto.yml").read_text())
+
+
+def test_root_config_is_the_only_book_config():
+    skip = {".git", ".venv", "_proc", "_docs", "node_modules"}
+    names = ("_quarto.yml", "_quarto.yaml", "_smalldocs.yml", "_smalldocs.yaml", "nbdev.yml", "sidebar.yml")
+    found = [p for p in ROOT.rglob("*") if p.name in names and not skip & set(p.relative_to(ROOT).parts)]
+    for p in found:
+        assert p.resolve() == (ROOT/"_quarto.yml").resolve(), f"{p.relative_to(ROOT)} is a second book config"
+    assert (NBS/"_quarto.yml").is_symlink() and (NBS/"_quarto.yml").resolve() == (ROOT/"_quarto.yml").resolve()
+    assert "metadata-files" not in CONFIG
+
+
+def test_sidebar_in_reading_order():
+    contents = CONFIG["website"]["sidebar"]["contents"]
+    assert contents[:-1] == [f"{c}.ipynb" for c in CHAPTERS]
+    assert contents[-1] == {"section": "Appendix", "contents": [f"{c}.ipynb" for c in APPENDIX]}
+    assert CONFIG["project"]["type"] == "website"
+
+
+def test_missing_chapters_are_left_out_not_broken(tmp_path):
+    (tmp_path/"index.ipynb").touch()
+    kept, missing = drop_missing(CONFIG, tmp_path)
+    assert sidebar_files(kept) == ["index.ipynb"]
+    assert len(missing) == len(CHAPTERS) + len(APPENDIX) - 1
+
+
+def test_help_is_fast_and_light():
+    out = subprocess.run(["w4a4-book", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "render" in out
+
+
+@pytest.fixture(scope="module")
+def book(tmp_path_factory):
+    "The whole book, rendered once into a scratch folder; with what the build printed."
+    d = tmp_path_factory.mktemp("book")
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log):
+        dest = render_book(ROOT, dest=d/"site", proc=d/"proc", quiet=True)
+    return dest, d/"proc", log.getvalue()
+
+
+def written():
+    return [f for f in sidebar_files(CONFIG) if (NBS/f).is_file()]
+
+
+def test_every_written_chapter_renders(book):
+    dest, _, _ = book
+    assert "index.ipynb" in written()
+    for f in written():
+        page = dest/Path(f).with_suffix(".html")
+        assert page.is_file(), f"{f} did not render"
+        nb = json.loads((NBS/f).read_text())
+        first = next("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+        title = re.sub(r"[`*]", "", re.match(r"#\s+(.+)", first).group(1)).strip()
+        assert f"<title>{title}" in html.unescape(page.read_text()), f"{f}: title {title!r} missing"
+    assert (dest/"search.json").is_file() and (dest/"site_libs").is_dir()
+
+
+def test_sidebar_links_every_written_chapter_in_order(book):
+    dest, _, _ = book
+    index = (dest/"index.html").read_text()
+    sidebar = index[index.index('id="quarto-sidebar"'):]
+    order = [str(Path(f).with_suffix(".html")) for f in written()]
+    assert [h for h in dict.fromkeys(re.findall(r'href="([\w.]+\.html)"', sidebar)) if h in order] == order
+
+
+def test_build_warns_only_about_chapters_not_written_yet(book):
+    _, _, log = book
+    missing = set(sidebar_files(CONFIG)) - set(written())
+    for line in log.splitlines():
+        if "warning" in line and "broken link" in line:
+            assert any(m in line for m in missing), line
+
+
+def test_outputs_survive(book):
+    "Every stored PNG of a page is in its HTML, and Markdown tables become tables."
+    dest, proc, _ = book
+    for nb_path in proc.glob("*.ipynb"):
+        nb = json.loads(nb_path.read_text())
+        shown = [c for c in nb["cells"] if c["cell_type"] == "code"
+                 and not re.search(r"^#\|\s*(output|include):\s*false", "".join(c["source"]), re.M)]
+        pngs = sum("image/png" in o.get("data", {}) for c in shown for o in c.get("outputs", []))
+        assert (dest/nb_path.with_suffix(".html").name).read_text().count("data:image/png") == pngs, nb_path.name
+    records = (dest/"14_records.html").read_text()
+    assert records.count("<table") >= 2
+
+
+def test_api_entries_and_exported_code(book):
+    dest, _, _ = book
+    page = (dest/"14_records.html").read_text()
+    assert re.search(r'<h3 id="save_record"[^>]*>save_record</h3>', page)
+    assert 'href="14_records.html#provenance"' in page  # a name in backticks links to its entry, locally
+    assert '<span class="kw">def</span> <span class="fu">save_record</span>' in page
+    assert "default_exp" not in page and "#| export" not in page
+
+
+def test_links_stay_local(book):
+    dest, _, _ = book
+    host = "w4a4-book.example.org"
+    for page in dest.glob("*.html"):
+        assert host not in page.read_text(), f"{page.name} links to {host}"
