@@ -31,8 +31,9 @@ def test_root_config_is_the_only_book_config():
 
 
 def test_sidebar_in_reading_order():
+    assert sidebar_files(CONFIG) == [f"{c}.ipynb" for c in CHAPTERS + APPENDIX]
     contents = CONFIG["website"]["sidebar"]["contents"]
-    assert contents[:-1] == [f"{c}.ipynb" for c in CHAPTERS]
+    assert contents[0] == {"href": "index.ipynb", "text": "Introduction"}
     assert contents[-1] == {"section": "Appendix", "contents": [f"{c}.ipynb" for c in APPENDIX]}
     assert CONFIG["project"]["type"] == "website"
 

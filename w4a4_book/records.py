@@ -9,6 +9,7 @@ import csv
 import datetime as dt
 import io
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -16,8 +17,8 @@ from importlib import metadata
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['REQUIRED_PROVENANCE', 'RECORD_SUFFIXES', 'validate', 'provenance', 'save_record', 'load_record', 'data_dir',
-           'list_records', 'load_rows', 'markdown_table']
+__all__ = ['REQUIRED_PROVENANCE', 'RECORD_SUFFIXES', 'COMMIT_ENV', 'validate', 'provenance', 'save_record', 'load_record',
+           'data_dir', 'list_records', 'load_rows', 'markdown_table']
 
 # %% ../nbs/14_records.ipynb #4a18b05e
 REQUIRED_PROVENANCE = ("gpu", "driver", "torch", "cutlass_dsl", "commit", "date", "shapes", "command")
@@ -52,8 +53,12 @@ def _repo_root() -> Path:
     import w4a4_book
     return Path(w4a4_book.__file__).resolve().parent.parent
 
+COMMIT_ENV = "W4A4_BOOK_COMMIT"  # set it where the tree was copied without .git (e.g. onto a lent GPU machine)
+
 def _git_commit() -> str:
-    "HEAD of the checkout, `-dirty` when tracked files changed, or `unknown` outside git."
+    "HEAD of the checkout, `-dirty` when tracked files changed, `$W4A4_BOOK_COMMIT` when set, or `unknown` outside git."
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
     root = _repo_root()
     sha = _run("git", "rev-parse", "HEAD", cwd=root)
     if sha is None:

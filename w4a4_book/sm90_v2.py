@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['WarpRoles', 'raster', 'W4A4GemmV2']
 
-# %% ../nbs/05_v2.ipynb #21acac6d
+# %% ../nbs/05_v2.ipynb #66f9e0f3
 from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
@@ -15,9 +15,10 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 import cuda.bindings.driver as cuda
 import w4a4_book.formats as formats
-from .sm90 import (W4A4GemmV1, decode_tile, promote, apply_affine, store_tile, word_view)
+from .sm90 import (W4A4GemmV1, decode_tile, promote, apply_affine, store_tile, packed_words,
+                             decoded_words, check_decoded_layout)
 
-# %% ../nbs/05_v2.ipynb #504abcf6
+# %% ../nbs/05_v2.ipynb #625b9b97
 @dataclass(frozen=True)
 class WarpRoles:
     "v2's warp specialisation: which warps do what, and the registers each warpgroup keeps."
@@ -25,8 +26,8 @@ class WarpRoles:
     decode_warps: tuple = (4, 5, 6, 7)
     mma_warps: tuple = (8, 9, 10, 11, 12, 13, 14, 15)
     load_regs: int = 24          # warpgroup 0: the TMA warp and three idle warps
-    decode_regs: int = 88
-    mma_regs: int = 200
+    decode_regs: int = 40
+    mma_regs: int = 224       # fp32 accumulator + two INT32 partials: 192 registers of fragments
     @property
     def threads(self): return 32 * (max(self.mma_warps) + 1)
     @property
@@ -34,7 +35,7 @@ class WarpRoles:
         "Registers the warpgroups hold after `setmaxnreg`; must not exceed the SM's 65536."
         return 128 * self.load_regs + 32 * len(self.decode_warps) * self.decode_regs + 32 * len(self.mma_warps) * self.mma_regs
 
-# %% ../nbs/05_v2.ipynb #e486639e
+# %% ../nbs/05_v2.ipynb #d32695fe
 def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
     "Tile `(m, n)` of linear tile index `t` when bands of `group_m` M-tiles are walked M-fastest."
     band = t // (group_m * n_tiles)
@@ -43,7 +44,7 @@ def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
     r = t - band * group_m * n_tiles
     return first_m + r % rows, r // rows
 
-# %% ../nbs/05_v2.ipynb #74903e1c
+# %% ../nbs/05_v2.ipynb #f760c7a4
 class W4A4GemmV2(W4A4GemmV1):
     "v2: warp-specialised, persistent, optionally a 2-CTA cluster along N."
     roles = WarpRoles()
@@ -106,11 +107,12 @@ class W4A4GemmV2(W4A4GemmV1):
             barrier_storage=st.main_full.data_ptr(), num_stages=S, producer_group=one,
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mc * n_dec),
             tx_count=self.tx_main, cta_layout_vmnk=cluster, defer_sync=True)
-        # decoded ring: inside the CTA, decode warpgroup → MMA warpgroups, one arrival per thread
+        # decoded ring: inside the CTA, decode warpgroup → MMA warpgroups; one arrival per warp (lane 0,
+        # after a warp sync), not per thread: 384 arrivals on one barrier word per stage would serialise
         dec_pipe = pipeline.PipelineAsync.create(
             barrier_storage=st.dec_full.data_ptr(), num_stages=D,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * n_dec),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * n_mma), defer_sync=True)
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, n_dec),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, n_mma), defer_sync=True)
         lora_pipe = None
         if cutlass.const_expr(R > 0):
             lora_pipe = pipeline.PipelineTmaAsync.create(
@@ -189,19 +191,21 @@ class W4A4GemmV2(W4A4GemmV1):
         "Warps 4–7: each packed stage becomes a decoded INT8 stage plus a copy of its scales."
         bm, bn, bk, G = self.bm, self.bn, self.bk, 64
         nthr = 32 * len(self.roles.decode_warps)
-        sA32 = cute.recast_tensor(st.a_packed.get_tensor(a_pk), cutlass.Uint32)   # (BM, BK/8, S)
-        sB32 = cute.recast_tensor(st.b_packed.get_tensor(b_pk), cutlass.Uint32)   # (BN, BK/8, S)
+        check_decoded_layout(a8_l, bk)
+        check_decoded_layout(b8_l, bk)
+        # (ROW, CHUNK, WORD, S) and (ROW, CHUNK, WORD, D) word views of the two rings
+        pA, pB = packed_words(st.a_packed.data_ptr(), bm, bk, self.stages), packed_words(st.b_packed.data_ptr(), bn, bk, self.stages)
+        dA, dB = decoded_words(st.a_decoded.data_ptr(), bm, bk, self.dstages), decoded_words(st.b_decoded.data_ptr(), bn, bk, self.dstages)
         sSA, sSW = st.a_scales.get_tensor(sa_l), st.b_scales.get_tensor(sw_l)    # (BM|BN, GROUPS, S)
-        sA8w = word_view(st.a_decoded.data_ptr(), a8_l)                          # (BM, BK/4, D)
-        sB8w = word_view(st.b_decoded.data_ptr(), b8_l)                          # (BN, BK/4, D)
         sSAd, sSWd = st.a_scales_dec.get_tensor(sad_l), st.b_scales_dec.get_tensor(swd_l)
+        lane = cute.arch.lane_idx()
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         dprod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.dstages)
         for _ in cutlass.range(my_tiles * self.k_tiles, unroll=1):
             load_pipe.consumer_wait(cons)
             dec_pipe.producer_acquire(dprod)
-            decode_tile(sA32, sA8w[None, None, dprod.index], cons.index, dtid, bm, bk, nthr)
-            decode_tile(sB32, sB8w[None, None, dprod.index], cons.index, dtid, bn, bk, nthr)
+            decode_tile(pA, dA, cons.index, dprod.index, dtid, bm, bk, nthr)
+            decode_tile(pB, dB, cons.index, dprod.index, dtid, bn, bk, nthr)
             for it in cutlass.range_constexpr((bm + bn) * (bk // G) // nthr):
                 e = dtid + it * nthr
                 if e < bm * (bk // G):
@@ -211,7 +215,9 @@ class W4A4GemmV2(W4A4GemmV1):
                     sSWd[f % bn, f // bn, dprod.index] = sSW[f % bn, f // bn, cons.index]
             # the decoded stage is read by wgmma (the async proxy) next
             cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-            dec_pipe.producer_commit(dprod)
+            cute.arch.sync_warp()
+            if lane == 0:
+                dec_pipe.producer_commit(dprod)
             load_pipe.consumer_release(cons)
             cons.advance()
             dprod.advance()
@@ -231,7 +237,9 @@ class W4A4GemmV2(W4A4GemmV1):
         cC = cute.make_identity_tensor((bm, bn))
         tCcC = thr.partition_C(cC)                               # (MMA, MMA_M, MMA_N) → (m, n)
         acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
-        partial = cute.make_rmem_tensor(tCcC.shape, cutlass.Int32)
+        # one INT32 partial per scale group of a K-block: group 1's wgmma runs while group 0 is promoted
+        partials = [cute.make_rmem_tensor(tCcC.shape, cutlass.Int32) for _ in range(bk // G)]
+        lane = cute.arch.lane_idx()
         steps = R // 16
         lcons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.lstages)
         if cutlass.const_expr(R > 0):
@@ -255,17 +263,20 @@ class W4A4GemmV2(W4A4GemmV1):
                             mma_lora.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                             cute.gemm(mma_lora, acc, tLrA[None, None, j, lcons.index], tLrB[None, None, j, lcons.index], acc)
                             cute.nvgpu.warpgroup.commit_group()
-                for g in cutlass.range_constexpr(bk // G):
-                    cute.nvgpu.warpgroup.fence()
+                cute.nvgpu.warpgroup.fence()
+                for g in cutlass.range_constexpr(bk // G):          # issue every group's wgmmas ...
                     mma_i8.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
                     for kb in cutlass.range_constexpr(G // 32):
                         kblk = g * (G // 32) + kb
-                        cute.gemm(mma_i8, partial, tCrA8[None, None, kblk, dcons.index], tCrB8[None, None, kblk, dcons.index], partial)
+                        cute.gemm(mma_i8, partials[g], tCrA8[None, None, kblk, dcons.index], tCrB8[None, None, kblk, dcons.index], partials[g])
                         mma_i8.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    promote(acc, partial, tCcC, sSAd, sSWd, g, dcons.index)
-                dec_pipe.consumer_release(dcons)
+                for g in cutlass.range_constexpr(bk // G):          # ... then promote each as soon as it lands
+                    cute.nvgpu.warpgroup.wait_group(bk // G - 1 - g)
+                    promote(acc, partials[g], tCcC, sSAd, sSWd, g, dcons.index)
+                cute.arch.sync_warp()
+                if lane == 0:
+                    dec_pipe.consumer_release(dcons)
                 dcons.advance()
                 if cutlass.const_expr(R > 0):
                     if k == ((steps - 1) * k_tiles) // (2 * steps):   # the last LoRA step has completed
