@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['LAYER_KN', 'LORA_BUG_PROBLEMS', 'accounting_rows', 'measure_lora_bug', 'plot_lora_bug', 'add_arguments', 'run']
 
-# %% ../nbs/06_lora_bug.ipynb #0d1ee739
+# %% ../nbs/06_lora_bug.ipynb #aa812ec0
 import argparse, sys, shlex
 from dataclasses import replace
 from pathlib import Path
 import w4a4_book.smem as smem
 from . import records
 
-# %% ../nbs/06_lora_bug.ipynb #cc0b062f
+# %% ../nbs/06_lora_bug.ipynb #750c5700
 LAYER_KN = ((3840, 3072), (3840, 15360), (15360, 3840), (10240, 3072))   # (K, N) of the benchmark layers
 LORA_BUG_PROBLEMS = tuple((4352, n, k, r) for k, n in LAYER_KN for r in (32, 128))
 
@@ -29,7 +29,7 @@ def accounting_rows(ranks=(32, 128), cluster_n=2):
                 rows.append(dict(config=name, accounting=acct, main_stages=0, charged=None, allocated=None, note=str(e)))
     return rows
 
-# %% ../nbs/06_lora_bug.ipynb #91cc31dc
+# %% ../nbs/06_lora_bug.ipynb #9c44f0e4
 def measure_lora_bug(problems=LORA_BUG_PROBLEMS, *, iters=30, warmup=5, quiet=False):
     "Time v2 2-CTA under both accounting modes on each problem; one row per (problem, mode), with the fixed/bug ratio."
     import torch
@@ -55,7 +55,7 @@ def measure_lora_bug(problems=LORA_BUG_PROBLEMS, *, iters=30, warmup=5, quiet=Fa
                   f"{out['pair']['tflops']:.0f} -> {out['per_cta']['tflops']:.0f} TFLOP/s ({ratio:.2f}x)", flush=True)
     return rows
 
-# %% ../nbs/06_lora_bug.ipynb #b810c939
+# %% ../nbs/06_lora_bug.ipynb #0840f630
 def plot_lora_bug(rows, path=None):
     "Bar chart of TFLOP/s per problem under both modes."
     import matplotlib; matplotlib.use("Agg")

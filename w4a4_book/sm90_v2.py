@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['WarpRoles', 'raster', 'W4A4GemmV2']
 
-# %% ../nbs/05_v2.ipynb #66f9e0f3
+# %% ../nbs/05_v2.ipynb #c5833771
 from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
@@ -18,7 +18,7 @@ import w4a4_book.formats as formats
 from .sm90 import (W4A4GemmV1, decode_tile, promote, apply_affine, store_tile, packed_words,
                              decoded_words, check_decoded_layout)
 
-# %% ../nbs/05_v2.ipynb #625b9b97
+# %% ../nbs/05_v2.ipynb #7e39c91c
 @dataclass(frozen=True)
 class WarpRoles:
     "v2's warp specialisation: which warps do what, and the registers each warpgroup keeps."
@@ -35,7 +35,7 @@ class WarpRoles:
         "Registers the warpgroups hold after `setmaxnreg`; must not exceed the SM's 65536."
         return 128 * self.load_regs + 32 * len(self.decode_warps) * self.decode_regs + 32 * len(self.mma_warps) * self.mma_regs
 
-# %% ../nbs/05_v2.ipynb #d32695fe
+# %% ../nbs/05_v2.ipynb #5931df62
 def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
     "Tile `(m, n)` of linear tile index `t` when bands of `group_m` M-tiles are walked M-fastest."
     band = t // (group_m * n_tiles)
@@ -44,7 +44,7 @@ def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
     r = t - band * group_m * n_tiles
     return first_m + r % rows, r // rows
 
-# %% ../nbs/05_v2.ipynb #f760c7a4
+# %% ../nbs/05_v2.ipynb #96988027
 class W4A4GemmV2(W4A4GemmV1):
     "v2: warp-specialised, persistent, optionally a 2-CTA cluster along N."
     roles = WarpRoles()
@@ -107,12 +107,12 @@ class W4A4GemmV2(W4A4GemmV1):
             barrier_storage=st.main_full.data_ptr(), num_stages=S, producer_group=one,
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mc * n_dec),
             tx_count=self.tx_main, cta_layout_vmnk=cluster, defer_sync=True)
-        # decoded ring: inside the CTA, decode warpgroup → MMA warpgroups; one arrival per warp (lane 0,
-        # after a warp sync), not per thread: 384 arrivals on one barrier word per stage would serialise
+        # decoded ring: inside the CTA, decode warpgroup → MMA warpgroups. Every thread arrives: each one's
+        # arrive releases its own shared-memory writes (the scale copies) and reads; see the gotchas chapter
         dec_pipe = pipeline.PipelineAsync.create(
             barrier_storage=st.dec_full.data_ptr(), num_stages=D,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, n_dec),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, n_mma), defer_sync=True)
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * n_dec),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * n_mma), defer_sync=True)
         lora_pipe = None
         if cutlass.const_expr(R > 0):
             lora_pipe = pipeline.PipelineTmaAsync.create(
@@ -198,7 +198,6 @@ class W4A4GemmV2(W4A4GemmV1):
         dA, dB = decoded_words(st.a_decoded.data_ptr(), bm, bk, self.dstages), decoded_words(st.b_decoded.data_ptr(), bn, bk, self.dstages)
         sSA, sSW = st.a_scales.get_tensor(sa_l), st.b_scales.get_tensor(sw_l)    # (BM|BN, GROUPS, S)
         sSAd, sSWd = st.a_scales_dec.get_tensor(sad_l), st.b_scales_dec.get_tensor(swd_l)
-        lane = cute.arch.lane_idx()
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         dprod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.dstages)
         for _ in cutlass.range(my_tiles * self.k_tiles, unroll=1):
@@ -215,9 +214,7 @@ class W4A4GemmV2(W4A4GemmV1):
                     sSWd[f % bn, f // bn, dprod.index] = sSW[f % bn, f // bn, cons.index]
             # the decoded stage is read by wgmma (the async proxy) next
             cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-            cute.arch.sync_warp()
-            if lane == 0:
-                dec_pipe.producer_commit(dprod)
+            dec_pipe.producer_commit(dprod)
             load_pipe.consumer_release(cons)
             cons.advance()
             dprod.advance()
@@ -239,7 +236,6 @@ class W4A4GemmV2(W4A4GemmV1):
         acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
         # one INT32 partial per scale group of a K-block: group 1's wgmma runs while group 0 is promoted
         partials = [cute.make_rmem_tensor(tCcC.shape, cutlass.Int32) for _ in range(bk // G)]
-        lane = cute.arch.lane_idx()
         steps = R // 16
         lcons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.lstages)
         if cutlass.const_expr(R > 0):
@@ -274,9 +270,7 @@ class W4A4GemmV2(W4A4GemmV1):
                 for g in cutlass.range_constexpr(bk // G):          # ... then promote each as soon as it lands
                     cute.nvgpu.warpgroup.wait_group(bk // G - 1 - g)
                     promote(acc, partials[g], tCcC, sSAd, sSWd, g, dcons.index)
-                cute.arch.sync_warp()
-                if lane == 0:
-                    dec_pipe.consumer_release(dcons)
+                dec_pipe.consumer_release(dcons)
                 dcons.advance()
                 if cutlass.const_expr(R > 0):
                     if k == ((steps - 1) * k_tiles) // (2 * steps):   # the last LoRA step has completed

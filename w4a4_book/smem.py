@@ -167,7 +167,7 @@ def hopper_v1_terms(cfg: HopperV1Config, stages: dict, accounting: str) -> list:
                "the output tile staged for one TMA store" if staged else "stored straight from registers")]
     return t
 
-# %% ../nbs/03_smem.ipynb #a68273a3
+# %% ../nbs/03_smem.ipynb #5edc5a67
 @dataclass(frozen=True)
 class HopperV2Config(HopperV1Config):
     "Hopper v2: v1's buffers plus a decode ring between the decode warpgroup and the MMA warpgroups."

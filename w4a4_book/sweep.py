@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['SWEEP_PROBLEMS', 'max_stages', 'solver_marks', 'sweep_stages', 'plot_sweep', 'add_arguments', 'run']
 
-# %% ../nbs/07_pipeline_depth.ipynb #d74a46c1
+# %% ../nbs/07_pipeline_depth.ipynb #10e2766a
 import argparse
 from pathlib import Path
 import w4a4_book.smem as smem
 from . import records
 
-# %% ../nbs/07_pipeline_depth.ipynb #df44dc75
+# %% ../nbs/07_pipeline_depth.ipynb #acb5dc92
 SWEEP_PROBLEMS = ((4352, 3072, 3840, 128), (8192, 8192, 8192, 32))
 
 def max_stages(version, problem, cluster_n=1):
@@ -25,7 +25,7 @@ def solver_marks(version, problem, cluster_n=2):
     return {a: smem.solve(kernel_config(version, problem, cluster_n, lora_accounting=a), k=problem.K).stages["main"]
             for a in smem.LORA_ACCOUNTING}
 
-# %% ../nbs/07_pipeline_depth.ipynb #7cdd468a
+# %% ../nbs/07_pipeline_depth.ipynb #86b950c8
 def sweep_stages(versions=("v1", "v2"), problems=SWEEP_PROBLEMS, cluster_n=1, *, iters=20, warmup=3, quiet=False):
     "Time each version on each problem at every main stage count from 1 to the most that fit."
     import torch
