@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['WarpRoles', 'raster', 'W4A4GemmV2']
 
-# %% ../nbs/05_v2.ipynb #c5833771
+# %% ../nbs/05_v2.ipynb #6016e5ea
 from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
@@ -18,7 +18,7 @@ import w4a4_book.formats as formats
 from .sm90 import (W4A4GemmV1, decode_tile, promote, apply_affine, store_tile, packed_words,
                              decoded_words, check_decoded_layout)
 
-# %% ../nbs/05_v2.ipynb #7e39c91c
+# %% ../nbs/05_v2.ipynb #f738f632
 @dataclass(frozen=True)
 class WarpRoles:
     "v2's warp specialisation: which warps do what, and the registers each warpgroup keeps."
@@ -35,7 +35,7 @@ class WarpRoles:
         "Registers the warpgroups hold after `setmaxnreg`; must not exceed the SM's 65536."
         return 128 * self.load_regs + 32 * len(self.decode_warps) * self.decode_regs + 32 * len(self.mma_warps) * self.mma_regs
 
-# %% ../nbs/05_v2.ipynb #5931df62
+# %% ../nbs/05_v2.ipynb #8f0b7391
 def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
     "Tile `(m, n)` of linear tile index `t` when bands of `group_m` M-tiles are walked M-fastest."
     band = t // (group_m * n_tiles)
@@ -44,7 +44,7 @@ def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
     r = t - band * group_m * n_tiles
     return first_m + r % rows, r // rows
 
-# %% ../nbs/05_v2.ipynb #96988027
+# %% ../nbs/05_v2.ipynb #6fa1c2a1
 class W4A4GemmV2(W4A4GemmV1):
     "v2: warp-specialised, persistent, optionally a 2-CTA cluster along N."
     roles = WarpRoles()
