@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from w4a4_book import bench
-from w4a4_book.bench import (GPU_PEAKS, METHODS, Method, bench_problems, bench_table, byte_table, check_floors,
-                             dequantize_bf16, make_problem, mfu, mfu_floors, naive_dequant, peak_for, plot_bench,
-                             rel_err, summarize_times, tflops, time_cuda, torch_bf16, torch_fp8_rowwise)
+from w4a4_book.bench import (GPU_PEAKS, LORA_RECORD, METHODS, README_RECORDS, Method, bench_problems, bench_table,
+                             byte_table, check_floors, dequantize_bf16, large_m, lora_line, make_problem, mfu,
+                             mfu_floors, naive_dequant, peak_for, plot_bench, ratio_table, readme_results, readme_table,
+                             record_line, rel_err, speedups, standing, summarize_times, tflops, time_cuda, torch_bf16,
+                             torch_fp8_rowwise)
 from w4a4_book.formats import dequantize, quantize
-from w4a4_book.records import load_record
+from w4a4_book.records import data_dir, load_record, provenance, save_record
 from w4a4_book.reference import w4a4_gemm_ref
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
@@ -143,7 +145,7 @@ def test_rel_err():
 def test_methods_registry():
     assert list(METHODS)[:3] == ["torch_bf16", "torch_fp8_rowwise", "naive_dequant"]
     assert not any(METHODS[m].kernel for m in ("torch_bf16", "torch_fp8_rowwise", "naive_dequant"))
-    assert all(METHODS[m].kernel for m in ("w4a4_v1", "w4a4_v1_2cta"))
+    assert all(METHODS[m].kernel for m in ("w4a4_v1", "w4a4_v1_2cta", "w4a4_v2", "w4a4_v2_2cta"))
 
 
 def _row(method="w4a4_v1", kernel=True, M=256, N=3072, K=3840, R=32, tf=None, m=None, **kw):
@@ -294,3 +296,69 @@ def test_one_shape_end_to_end(tmp_path):
     assert prov["gpu"] == gpu and prov["kind"] == "bench" and back == json.loads(json.dumps(rows))
     ran = any(r["kernel"] and r["mfu"] is not None for r in rows)
     assert check_floors(rows, back) == ([] if ran else ["no kernel row of this run has a recorded floor; nothing was checked"])
+
+
+def _large(tf_by_method, M=4352, **kw):
+    "Made-up rows of one problem, one per method: not measurements."
+    return [_row(method=m, kernel=m.startswith("w4a4"), M=M, tf=t, m=None if t is None else t / 1979.0, **kw)
+            for m, t in tf_by_method.items()]
+
+
+def test_speedups_and_ratio_table():
+    rows = (_large({"w4a4_v1": 200.0, "w4a4_v2": 300.0, "torch_fp8_rowwise": 600.0})
+            + _large({"w4a4_v1": 100.0, "w4a4_v2": None, "torch_fp8_rowwise": 400.0}, R=128))
+    assert speedups(rows, "w4a4_v2", "w4a4_v1") == {(4352, 3072, 3840, 32): pytest.approx(1.5)}
+    pairs = [("w4a4_v2", "w4a4_v1"), ("w4a4_v2", "torch_fp8_rowwise")]
+    table = ratio_table(rows, pairs).splitlines()
+    assert table[0] == "| M×N×K | R | w4a4_v2 / w4a4_v1 | w4a4_v2 / torch_fp8_rowwise |"
+    assert table[2:] == ["| 4352×3072×3840 | 32 | 1.50× | 0.50× |", "| 4352×3072×3840 | 128 | — | — |"]
+    for args, name in [(("w4a4_v3", "w4a4_v1"), "method='w4a4_v3'"), (("w4a4_v2", "torch_bf16"), "over='torch_bf16'")]:
+        with pytest.raises(ValueError, match=name):
+            speedups(rows, *args)
+    with pytest.raises(ValueError, match="over='naive_dequant'"):
+        ratio_table(rows)   # the default pairs need methods these rows lack
+
+
+def test_readme_table_and_standing():
+    methods = {"torch_bf16": 600.0, "torch_fp8_rowwise": 900.0, "naive_dequant": 250.0, "w4a4_v1": 300.0,
+               "w4a4_v2": 450.0, "w4a4_v2_2cta": 460.0}
+    rows = _large(methods, M=256) + _large(methods) + _large({**methods, "w4a4_v2": 480.0}, M=8192, N=8192, K=8192)
+    assert [r["M"] for r in large_m(rows)] == [4352] * 6 + [8192] * 6
+    table = readme_table(rows).splitlines()
+    assert table[0] == "| M×N×K | R | torch bf16 | torch FP8 rowwise | v1 | v2 | v2 2-CTA | v2 MFU |"
+    assert table[2:] == ["| 4352×3072×3840 | 32 | 600 | 900 | 300 | 450 | 460 | 22.7% |",
+                         "| 8192×8192×8192 | 32 | 600 | 900 | 300 | 480 | 460 | 24.3% |"]
+    s = standing(rows)
+    assert "v2 runs at 450–480 TFLOP/s, 22.7%–24.3% of the dense FP8 peak" in s
+    assert "1.50–1.60× v1 (300)" in s and "0.50–0.53× PyTorch's FP8" in s and "0.75–0.80× its bf16 path (600)" in s
+    with pytest.raises(ValueError, match="M in"):
+        readme_table(_large(methods, M=256))
+
+
+def test_record_line():
+    prov = provenance("w4a4-book bench --shapes 8192", [[8192, 8192, 8192, 32]])
+    line = record_line("bench_x.json", prov)
+    assert line.startswith("`bench_x.json`: ") and line.endswith("Re-measure: `w4a4-book bench --shapes 8192`")
+    with pytest.raises(ValueError, match="command"):
+        record_line("bench_x.json", {**prov, "command": ""})
+
+
+def test_lora_line():
+    rows = [dict(R=r, accounting=a, main_stages=s, fixed_over_bug=x)
+            for r, a, s, x in [(128, "pair", 1, 1.2), (128, "per_cta", 3, 1.2), (128, "pair", 2, 1.05),
+                               (128, "per_cta", 3, 1.05)]]
+    assert lora_line(rows) == "R = 128: main stages 1–2 with the bug (`pair`) against 3 fixed (`per_cta`), fixed/bug 1.05–1.20×."
+    with pytest.raises(ValueError, match="both accountings"):
+        lora_line(rows[::2])
+    with pytest.raises(ValueError, match="non-empty"):
+        lora_line([])
+
+
+def test_readme_results_from_another_folder(tmp_path):
+    for name in README_RECORDS + (LORA_RECORD,):
+        prov, rows = load_record(data_dir()/name)
+        if name == README_RECORDS[0]:
+            rows = [{**r, "tflops": 2 * r["tflops"]} if r["method"] == "w4a4_v2" and r["M"] == 8192 else r for r in rows]
+        save_record(tmp_path/name, prov, rows)
+    assert readme_results(tmp_path) != readme_results()
+    assert readme_results(tmp_path).count("Re-measure: `") == 3

@@ -20,15 +20,17 @@ from tqdm import tqdm
 
 from .formats import GROUP_SIZE, QTensor, check_fmt, decode_table, dequantize, quantize
 from .reference import LORA_RANK_MULTIPLE, w4a4_gemm_dequant
-from .records import data_dir, list_records, load_record, markdown_table, provenance, save_record
+from .records import data_dir, list_records, load_record, markdown_table, provenance, save_record, validate
 
 # %% auto #0
 __all__ = ['GPU_PEAKS', 'MIN_ITERS', 'L2_FLUSH_MIN_BYTES', 'LAYER_KN', 'GROUP_RANKS', 'SHAPE_SETS', 'OUT_DTYPES', 'FP8_MAX',
-           'BASELINES', 'KERNELS', 'METHODS', 'FLOOR_FRACTION', 'VALUE_FORMATS', 'gpu_key', 'peak_for', 'tflops', 'mfu',
-           'summarize_times', 'time_cuda', 'bench_problems', 'Problem', 'make_problem', 'rel_err', 'torch_bf16',
-           'torch_fp8_rowwise', 'byte_table', 'dequantize_bf16', 'naive_dequant', 'Method', 'kernel_method',
-           'kernel_unavailable', 'run_bench', 'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record',
-           'add_arguments', 'run', 'bench_cli', 'bench_table', 'plot_bench']
+           'BASELINES', 'KERNELS', 'METHODS', 'FLOOR_FRACTION', 'VALUE_FORMATS', 'RATIO_PAIRS', 'README_RECORDS',
+           'LORA_RECORD', 'README_COLUMNS', 'gpu_key', 'peak_for', 'tflops', 'mfu', 'summarize_times', 'time_cuda',
+           'bench_problems', 'Problem', 'make_problem', 'rel_err', 'torch_bf16', 'torch_fp8_rowwise', 'byte_table',
+           'dequantize_bf16', 'naive_dequant', 'Method', 'kernel_method', 'kernel_unavailable', 'run_bench',
+           'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record', 'add_arguments', 'run',
+           'bench_cli', 'bench_table', 'plot_bench', 'speedups', 'ratio_table', 'record_line', 'large_m',
+           'readme_table', 'standing', 'lora_line', 'readme_results']
 
 # %% ../nbs/09_bench.ipynb #fd0f9cd4
 # Dense (no sparsity) tensor-core peaks in TFLOP/s: half of the "with sparsity" figures of the
@@ -460,7 +462,7 @@ def plot_bench(rows: list[dict], title: str | None = None):
     problems = list(dict.fromkeys((r["M"], r["N"], r["K"], r["R"]) for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     value = {((r["M"], r["N"], r["K"], r["R"]), r["method"]): r["tflops"] for r in timed}
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * len(problems) + 2), 3.6), dpi=90)
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.75 * len(problems) + 2), 3.6), dpi=90)
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(problems))]
@@ -472,9 +474,117 @@ def plot_bench(rows: list[dict], title: str | None = None):
     mfu_ax.set_ylabel(f"MFU, % of dense FP8 peak ({peak:.0f})", fontsize=8)
     ax.tick_params(axis="y", labelsize=7)
     mfu_ax.tick_params(labelsize=7)
-    ax.legend(fontsize=7, ncol=min(len(methods), 5), loc="upper left")
+    ax.legend(fontsize=7, ncol=min(len(methods), 4), loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+# %% ../nbs/09_bench.ipynb #96cf441f
+RATIO_PAIRS = (("w4a4_v2", "w4a4_v1"), ("w4a4_v2", "torch_fp8_rowwise"), ("w4a4_v2", "naive_dequant"),
+               ("w4a4_v2_2cta", "w4a4_v2"))   # (method, over): the ratios the book reports
+
+def _shape(r: dict) -> tuple[int, int, int, int]:
+    return (r["M"], r["N"], r["K"], r["R"])
+
+def speedups(rows: list[dict], method: str, over: str) -> dict[tuple, float]:
+    "TFLOP/s of `method` divided by that of `over`, per problem `(M, N, K, R)` on which both were timed."
+    names = {r["method"] for r in rows}
+    for arg, name in (("method", method), ("over", over)):
+        if name not in names:
+            raise ValueError(f"{arg}={name!r} has no row; the rows hold {', '.join(sorted(names))}")
+    tf = {(_shape(r), r["method"]): r["tflops"] for r in rows if r["tflops"] is not None}
+    return {s: tf[s, method] / tf[s, over] for s in dict.fromkeys(map(_shape, rows))
+            if (s, method) in tf and (s, over) in tf}
+
+def ratio_table(rows: list[dict], pairs: Sequence[tuple[str, str]] = RATIO_PAIRS) -> str:
+    "Markdown table of the TFLOP/s ratio of each `(method, over)` of `pairs`, one line per problem."
+    ratios = {f"{m} / {o}": speedups(rows, m, o) for m, o in pairs}
+    return markdown_table([{"M×N×K": f"{M}×{N}×{K}", "R": R,
+                            **{k: f"{v[M, N, K, R]:.2f}×" if (M, N, K, R) in v else "—" for k, v in ratios.items()}}
+                           for M, N, K, R in dict.fromkeys(map(_shape, rows))])
+
+# %% ../nbs/09_bench.ipynb #4c4a0c46
+README_RECORDS = ("bench_h200_all.json", "bench_h200_8192r128.json")   # the bench records the README shows
+LORA_RECORD = "lora_bug_h200.json"                                      # the LoRA accounting record (chapter 6)
+README_COLUMNS = {"torch_bf16": "torch bf16", "torch_fp8_rowwise": "torch FP8 rowwise", "w4a4_v1": "v1",
+                  "w4a4_v2": "v2", "w4a4_v2_2cta": "v2 2-CTA"}         # method -> README column (TFLOP/s)
+
+def record_line(name: str, prov: dict) -> str:
+    "Markdown: record `name`, the GPU and software it was measured with, and the command that re-measures it."
+    validate(prov)
+    return (f"`{name}`: {prov['gpu']}, driver {prov['driver']}, torch {prov['torch']}, nvidia-cutlass-dsl "
+            f"{prov['cutlass_dsl']}, commit `{prov['commit'][:12]}`, {prov['date']}. Re-measure: `{prov['command']}`")
+
+def _span(values: Sequence[float], fmt: str = "{:.2f}") -> str:
+    "`lo–hi` of `values` formatted with `fmt`, or one value when both ends format the same."
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+def large_m(rows: list[dict]) -> list[dict]:
+    "The rows of the compute-bound problems: M of the `m4352` and `8192` sets."
+    ms = {p[0] for p in bench_problems("m4352") + bench_problems("8192")}
+    out = [r for r in rows if r["M"] in ms]
+    if not out:
+        raise ValueError(f"rows has no problem with M in {sorted(ms)}")
+    return out
+
+# %% ../nbs/09_bench.ipynb #9267d794
+def readme_table(rows: list[dict]) -> str:
+    "Markdown table of TFLOP/s of the `README_COLUMNS` methods and v2's MFU, for the large-M problems of `rows`."
+    cell = {(_shape(r), r["method"]): r for r in large_m(rows)}
+    def get(s, m, field):
+        r = cell.get((s, m))
+        return None if r is None else r[field]
+    table = []
+    for M, N, K, R in dict.fromkeys(map(_shape, large_m(rows))):
+        s = (M, N, K, R)
+        tf = {col: None if get(s, m, "tflops") is None else round(get(s, m, "tflops")) for m, col in README_COLUMNS.items()}
+        v2 = get(s, "w4a4_v2", "mfu")
+        table.append({"M×N×K": f"{M}×{N}×{K}", "R": R, **tf, "v2 MFU": "—" if v2 is None else f"{v2:.1%}"})
+    return markdown_table(table)
+
+def standing(rows: list[dict]) -> str:
+    "One Markdown sentence: v2's TFLOP/s, MFU, and ratios to v1, torch FP8 and torch bf16, as ranges over the large-M problems."
+    big = large_m(rows)
+    tf = lambda m: [r["tflops"] for r in big if r["method"] == m and r["tflops"] is not None]
+    ratio = lambda over: _span(list(speedups(big, "w4a4_v2", over).values()))
+    mfus = [r["mfu"] for r in big if r["method"] == "w4a4_v2" and r["mfu"] is not None]
+    return (f"At M = 4352 and 8192³, v2 runs at {_span(tf('w4a4_v2'), '{:.0f}')} TFLOP/s, "
+            f"{_span(mfus, '{:.1%}')} of the dense FP8 peak: {ratio('w4a4_v1')}× v1 ({_span(tf('w4a4_v1'), '{:.0f}')}), "
+            f"but {ratio('torch_fp8_rowwise')}× PyTorch's FP8 `_scaled_mm` path with the same LoRA and affine "
+            f"({_span(tf('torch_fp8_rowwise'), '{:.0f}')}) and {ratio('torch_bf16')}× its bf16 path "
+            f"({_span(tf('torch_bf16'), '{:.0f}')}).")
+
+def lora_line(rows: list[dict]) -> str:
+    "Markdown, per rank of a `lora_bug` record: main stages with the bug (`pair`) and fixed (`per_cta`), and fixed/bug TFLOP/s."
+    parts = []
+    for R in sorted({r["R"] for r in rows}, reverse=True):
+        rs = [r for r in rows if r["R"] == R]
+        stages = {a: [r["main_stages"] for r in rs if r["accounting"] == a] for a in ("pair", "per_cta")}
+        if not all(stages.values()):
+            raise ValueError(f"rows needs both accountings (pair, per_cta) at R={R}")
+        parts.append(f"R = {R}: main stages {_span(stages['pair'], '{}')} with the bug (`pair`) against "
+                     f"{_span(stages['per_cta'], '{}')} fixed (`per_cta`), fixed/bug {_span([r['fixed_over_bug'] for r in rs])}×")
+    if not parts:
+        raise ValueError("rows must be a non-empty list of lora_bug rows")
+    return "; ".join(parts) + "."
+
+# %% ../nbs/09_bench.ipynb #fc02edc9
+def readme_results(folder: str | Path | None = None) -> str:
+    "The README's Results section (without its heading), made from `README_RECORDS` and `LORA_RECORD` in `folder` (default `nbs/data/`)."
+    folder = data_dir() if folder is None else Path(folder)
+    bench = [(name, *load_record(folder / name)) for name in README_RECORDS]
+    rows = [r for _, _, rs in bench for r in rs]
+    lora_prov, lora_rows = load_record(folder / LORA_RECORD)
+    prov = bench[0][1]
+    return "\n".join([
+        f"TFLOP/s of the main GEMM (2·M·N·K over the median of {prov['iters']} timed calls; the LoRA product and the "
+        f"affine are computed but not counted) on one {prov['gpu']}, and v2's MFU against the dense FP8 peak of "
+        f"{prov['mfu_peak_tflops']:.0f} TFLOP/s. The torch paths run the same LoRA and affine as separate ops. "
+        "Every shape and method, the M = 256 rows and how they were measured are in the "
+        "[benchmarks chapter](nbs/09_bench.ipynb); the records are in `nbs/data/`.",
+        "", readme_table(rows), "", standing(rows), "",
+        f"[LoRA accounting](nbs/06_lora_bug.ipynb) (v2 2-CTA, M = 4352, the four layers): {lora_line(lora_rows)}", "",
+        *[f"- {record_line(name, p)}" for name, p, _ in bench], f"- {record_line(LORA_RECORD, lora_prov)}"])

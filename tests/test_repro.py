@@ -1,0 +1,204 @@
+"""The LoRA accounting experiment and the stage sweep (chapters 6 and 7): solver accounting, the recorded H200
+data, the plots and the no-GPU command paths on the CPU; both accounting modes against the reference on a GPU."""
+import math
+import matplotlib
+matplotlib.use("Agg")
+import pytest
+import torch
+from matplotlib.figure import Figure
+from w4a4_book import bench, records, repro, smem, sweep
+from w4a4_book.cli import main
+from w4a4_book.sm90 import Problem, kernel_config
+
+
+def _records(kind):
+    paths = records.list_records(kind)
+    assert paths, f"no {kind} record under {records.data_dir()}"
+    return [(p, *records.load_record(p)) for p in paths]
+
+
+# ---------------------------------------------------------------- solver accounting
+def test_accounting_rows_fix_never_has_fewer_stages():
+    rows = repro.accounting_rows()
+    by = {(r["config"], r["accounting"]): r for r in rows}
+    configs = {r["config"] for r in rows}
+    assert len(configs) == 4 and len(rows) == 8        # Hopper and Blackwell, R=32 and R=128, both modes
+    for c in configs:
+        bug, fix = by[c, repro.BUG], by[c, repro.FIX]
+        assert fix["main_stages"] >= bug["main_stages"] >= 1, c
+        assert fix["phantom"] == 0 and fix["charged"] == fix["allocated"], c
+        assert bug["phantom"] == bug["charged"] - bug["allocated"] > 0, c
+
+
+def test_accounting_rows_known_hopper_and_blackwell_stages():
+    st = {(r["config"], r["accounting"]): r["main_stages"] for r in repro.accounting_rows()}
+    assert (st["hopper v2 2-CTA R=128", "per_cta"], st["hopper v2 2-CTA R=128", "pair"]) == (3, 1)
+    assert (st["hopper v2 2-CTA R=32", "per_cta"], st["hopper v2 2-CTA R=32", "pair"]) == (6, 6)
+    assert (st["blackwell orig 256x256 R=128", "per_cta"], st["blackwell orig 256x256 R=128", "pair"]) == (3, 2)
+
+
+def test_accounting_rows_single_cta_has_no_bug():
+    rows = repro.accounting_rows(cluster_n=1)
+    hopper = [r for r in rows if r["config"].startswith("hopper")]
+    assert all(r["phantom"] == 0 for r in hopper)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(ranks=(24,)), "lora_rank=24"), (dict(ranks=32), "ranks"),
+                                       (dict(ranks=()), "ranks"), (dict(cluster_n=3), "cluster_n=3")])
+def test_accounting_rows_rejects_bad_input(kw, match):
+    with pytest.raises(ValueError, match=match):
+        repro.accounting_rows(**kw)
+
+
+def test_bug_and_fix_are_the_solver_modes():
+    assert {repro.BUG, repro.FIX} == set(smem.LORA_ACCOUNTING)
+    assert repro.LORA_BUG_PROBLEMS == tuple(bench.bench_problems("m4352", ranks=repro.LORA_BUG_RANKS))
+
+
+# ---------------------------------------------------------------- recorded LoRA accounting data
+def test_recorded_lora_bug_is_consistent():
+    for path, prov, rows in _records("lora_bug"):
+        assert records.validate(prov) and prov["command"].startswith("w4a4-book repro lora-bug"), path.name
+        problems = {(r["M"], r["N"], r["K"], r["R"]) for r in rows}
+        assert problems == {tuple(s) for s in prov["shapes"]}, path.name
+        peak = bench.peak_for(prov["gpu"])
+        for r in rows:
+            assert math.isclose(r["tflops"], bench.tflops(r["M"], r["N"], r["K"], r["median_ms"]), rel_tol=1e-9)
+            assert math.isclose(r["mfu"], r["tflops"] / peak, rel_tol=1e-9)
+            assert r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+            # the stage count the record names is the one the solver gives for that problem and mode
+            cfg = kernel_config("v2", Problem(r["M"], r["N"], r["K"], r["R"]), 2, lora_accounting=r["accounting"])
+            assert smem.solve(cfg, k=r["K"]).stages["main"] == r["main_stages"]
+        for s in repro.lora_bug_summary(rows):
+            assert s["stages_per_cta"] >= s["stages_pair"]
+            mine = [r for r in rows if (r["M"], r["N"], r["K"], r["R"]) == (s["M"], s["N"], s["K"], s["R"])]
+            assert all(math.isclose(r["fixed_over_bug"], s["tflops_per_cta"] / s["tflops_pair"], rel_tol=1e-9) for r in mine)
+
+
+def test_recorded_lora_bug_identical_builds_time_alike():
+    "Where both modes pick the same stages the builds are the same kernel: their timing spreads overlap."
+    for path, _, rows in _records("lora_bug"):
+        by = {(r["M"], r["N"], r["K"], r["R"], r["accounting"]): r for r in rows}
+        for s in repro.lora_bug_summary(rows):
+            if s["stages_pair"] != s["stages_per_cta"]: continue
+            a, b = (by[s["M"], s["N"], s["K"], s["R"], m] for m in (repro.BUG, repro.FIX))
+            assert a["p10_ms"] <= b["p90_ms"] and b["p10_ms"] <= a["p90_ms"], (path.name, s)
+
+
+def test_lora_bug_summary_needs_both_modes():
+    _, _, rows = _records("lora_bug")[0]
+    with pytest.raises(ValueError, match="both modes"):
+        repro.lora_bug_summary([r for r in rows if r["accounting"] == repro.FIX])
+    with pytest.raises(ValueError, match="accounting"):
+        repro.lora_bug_summary([{**rows[0], "accounting": "cluster"}])
+
+
+def test_plot_lora_bug(tmp_path):
+    _, _, rows = _records("lora_bug")[0]
+    fig = repro.plot_lora_bug(rows, tmp_path / "bug.png")
+    assert isinstance(fig, Figure) and (tmp_path / "bug.png").stat().st_size > 0
+    assert "|" in repro.lora_bug_table(rows) and "x |" in repro.lora_bug_table(rows)
+
+
+# ---------------------------------------------------------------- recorded stage sweeps
+def test_recorded_sweeps_are_consistent():
+    for path, prov, rows in _records("sweep_stages"):
+        assert records.validate(prov) and prov["command"].startswith("w4a4-book sweep-stages"), path.name
+        peak = bench.peak_for(prov["gpu"])
+        for key, c in sweep.curves(rows).items():
+            v, M, N, K, R, cn = key
+            assert [M, N, K, R] in prov["shapes"], (path.name, key)
+            assert sorted(c) == list(range(1, sweep.max_stages(v, Problem(M, N, K, R), cn) + 1)), (path.name, key)
+            assert all(math.isclose(r["mfu"], r["tflops"] / peak, rel_tol=1e-9) for r in c.values())
+
+
+def test_sweep_marks_lie_on_the_recorded_curves():
+    rows = [r for _, _, rs in _records("sweep_stages") for r in rs]
+    marks = sweep.sweep_marks(rows)
+    assert marks, "no 2-CTA curve recorded"
+    cs = sweep.curves(rows)
+    for key, m in marks.items():
+        assert set(m) == set(smem.LORA_ACCOUNTING) and m["per_cta"] >= m["pair"]
+        assert m["per_cta"] == max(cs[key])            # the fix picks the deepest point swept
+        assert m["pair"] in cs[key]
+
+
+def test_curves_reject_duplicates():
+    _, _, rows = _records("sweep_stages")[0]
+    with pytest.raises(ValueError, match="twice"):
+        sweep.curves(rows + rows[:1])
+
+
+def test_plot_sweep_and_table(tmp_path):
+    rows = [r for _, _, rs in _records("sweep_stages") for r in rs]
+    fig = sweep.plot_sweep(rows, sweep.sweep_marks(rows), tmp_path / "sweep.png", title="recorded")
+    assert isinstance(fig, Figure) and (tmp_path / "sweep.png").stat().st_size > 0
+    table = sweep.sweep_table(rows)
+    assert table.count("\n") == len(sweep.curves(rows)) + 1
+
+
+# ---------------------------------------------------------------- the commands without a GPU
+@pytest.fixture
+def no_kernel(monkeypatch):
+    "Take the no-GPU path even on a GPU machine: nothing is measured and nothing is written."
+    monkeypatch.setattr(bench, "kernel_unavailable", lambda: "test: GPU path disabled")
+
+
+def test_repro_cli_without_gpu_prints_accounting_and_recorded(no_kernel, capsys):
+    assert main(["repro", "lora-bug"]) == 0
+    out = capsys.readouterr().out
+    assert "Solver accounting" in out and "blackwell orig 256x256 R=128" in out and "hopper v2 2-CTA R=128" in out
+    for path, prov, _ in _records("lora_bug"):
+        assert f"recorded: `{path.name}`" in out and f"Re-measure: `{prov['command']}`" in out
+
+
+def test_sweep_cli_without_gpu_prints_recorded(no_kernel, capsys):
+    assert main(["sweep-stages"]) == 0
+    out = capsys.readouterr().out
+    for path, prov, _ in _records("sweep_stages"):
+        assert f"recorded: `{path.name}`" in out and f"Re-measure: `{prov['command']}`" in out
+
+
+# ---------------------------------------------------------------- the GPU path, with the GPU faked
+def test_measure_lora_bug_rows_with_a_fake_gpu(monkeypatch):
+    "The measurement's bookkeeping on the CPU: the kernel and the timer are stand-ins, everything else is real."
+    from w4a4_book import sm90
+    from w4a4_book.reference import w4a4_gemm_ref
+    ms = {repro.BUG: 2.0, repro.FIX: 1.0}
+
+    def fake_launcher(*ops, version, cluster_n, lora_accounting):
+        assert (version, cluster_n) == ("v2", 2)
+        out = torch.empty(ops[0].rows, ops[1].rows, dtype=torch.bfloat16)
+        def launch(): out.copy_(w4a4_gemm_ref(*ops))
+        launch.ms = ms[lora_accounting]
+        return launch, out
+
+    real_make_problem = bench.make_problem
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(bench, "make_problem", lambda *a, **k: real_make_problem(*a, device="cpu", **k))
+    monkeypatch.setattr(bench, "time_cuda", lambda fn, **k: bench.summarize_times([fn.ms] * k["iters"]))
+    monkeypatch.setattr(sm90, "gemm_launcher", fake_launcher)
+    rows = repro.measure_lora_bug([(128, 256, 256, 128)], iters=20, quiet=True)
+    assert [r["accounting"] for r in rows] == [repro.BUG, repro.FIX]
+    assert [r["main_stages"] for r in rows] == [1, 2]          # K=256: two K-blocks cap the fix at 2
+    assert all(r["fixed_over_bug"] == 2.0 and r["rel_err"] < 2 ** -8 for r in rows)
+    assert math.isclose(rows[1]["mfu"], bench.tflops(128, 256, 256, 1.0) / bench.peak_for("NVIDIA H200"))
+    assert "fixed/bug" in repro.lora_bug_table(rows)
+
+
+# ---------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_accounting_modes_match_reference():
+    "The bug cannot fail a correctness test: v2 2-CTA at 1 stage (bug) and 3 stages (fix) both match the reference."
+    from test_sm90 import check_against_ref, make_case
+    from w4a4_book.sm90 import gemm_w4a4
+    M, N, K, R = 300, 1024, 1024, 128
+    stages = {a: smem.solve(kernel_config("v2", Problem(M, N, K, R), 2, lora_accounting=a), k=K).stages["main"]
+              for a in smem.LORA_ACCOUNTING}
+    assert stages == {"per_cta": 3, "pair": 1}
+    case = make_case(M, N, K, R, seed=6)
+    for acct in smem.LORA_ACCOUNTING:
+        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gemm_w4a4(*case, version="v2", cluster_n=2, lora_accounting=acct, out=out)
+        torch.cuda.synchronize()
+        check_against_ref(out, case, torch.bfloat16)
