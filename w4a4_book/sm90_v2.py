@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['WarpRoles', 'raster', 'W4A4GemmV2']
 
-# %% ../nbs/05_v2.ipynb #6016e5ea
+# %% ../nbs/05_v2.ipynb #dbeb053c
 from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
@@ -18,7 +18,7 @@ import w4a4_book.formats as formats
 from .sm90 import (W4A4GemmV1, decode_tile, promote, apply_affine, store_tile, packed_words,
                              decoded_words, check_decoded_layout)
 
-# %% ../nbs/05_v2.ipynb #f738f632
+# %% ../nbs/05_v2.ipynb #e2d0b88e
 @dataclass(frozen=True)
 class WarpRoles:
     "v2's warp specialisation: which warps do what, and the registers each warpgroup keeps."
@@ -28,6 +28,13 @@ class WarpRoles:
     load_regs: int = 24          # warpgroup 0: the TMA warp and three idle warps
     decode_regs: int = 40
     mma_regs: int = 224       # fp32 accumulator + two INT32 partials: 192 registers of fragments
+    def __post_init__(self):
+        for name in ("load_regs", "decode_regs", "mma_regs"):
+            n = getattr(self, name)
+            if n % 8 or not 24 <= n <= 256:
+                raise ValueError(f"{name}={n}: setmaxnreg takes a multiple of 8 in [24, 256]")
+        if self.registers > 65536:
+            raise ValueError(f"mma_regs={self.mma_regs}: the warpgroups would hold {self.registers} > 65536 registers")
     @property
     def threads(self): return 32 * (max(self.mma_warps) + 1)
     @property
@@ -35,7 +42,7 @@ class WarpRoles:
         "Registers the warpgroups hold after `setmaxnreg`; must not exceed the SM's 65536."
         return 128 * self.load_regs + 32 * len(self.decode_warps) * self.decode_regs + 32 * len(self.mma_warps) * self.mma_regs
 
-# %% ../nbs/05_v2.ipynb #8f0b7391
+# %% ../nbs/05_v2.ipynb #28393b33
 def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
     "Tile `(m, n)` of linear tile index `t` when bands of `group_m` M-tiles are walked M-fastest."
     band = t // (group_m * n_tiles)
@@ -44,7 +51,7 @@ def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
     r = t - band * group_m * n_tiles
     return first_m + r % rows, r // rows
 
-# %% ../nbs/05_v2.ipynb #6fa1c2a1
+# %% ../nbs/05_v2.ipynb #0d6fae7e
 class W4A4GemmV2(W4A4GemmV1):
     "v2: warp-specialised, persistent, optionally a 2-CTA cluster along N."
     roles = WarpRoles()
