@@ -103,3 +103,14 @@ def test_bfloat16_scales():
     out = sm90.gemm_w4a4(*case)
     torch.cuda.synchronize()
     check_against_ref(out, case, torch.bfloat16)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_no_register_spills_where_ptxas_exists(version):
+    """PTX shows no local memory; only ptxas sees spills. v1 must not spill. v2's 40-register decode branch spills
+    20 bytes at R=32 (see the gotchas chapter); its MMA branch spilling would cost about a kilobyte per thread."""
+    rep = sm90.compile_kernel(version, sm90.Problem(4352, 3072, 3840, 128), cluster_n=2)
+    res = rep.ptxas()
+    if res is None:
+        pytest.skip("no ptxas on this machine")
+    assert res["spill_stores"] <= (0 if version == "v1" else 64), res

@@ -9,7 +9,7 @@ __all__ = ['HIGH_NIBBLES', 'DECODE_SCALE', 'decode_word_ref', 'decode_row_ref', 
            'build_kernel', 'CompileReport', 'compile_kernel', 'gemm_launcher', 'gemm_w4a4', 'compile_arguments',
            'compile_command']
 
-# %% ../nbs/04_v1.ipynb #dd2f414e
+# %% ../nbs/04_v1.ipynb #81fc90f7
 import os, re
 from dataclasses import dataclass
 import torch
@@ -26,7 +26,7 @@ import w4a4_book.smem as smem
 import w4a4_book.formats as formats
 from .formats import QTensor
 
-# %% ../nbs/04_v1.ipynb #e212916e
+# %% ../nbs/04_v1.ipynb #0c83d921
 HIGH_NIBBLES = 0xF0F0F0F0   # keeps the high nibble of each byte, in place
 DECODE_SCALE = 1 / 256      # the INT8 operands are 16·v, so each INT32 partial is 256·Σ a·w
 
@@ -35,7 +35,7 @@ def decode_word_ref(w):
     w = np.asarray(w, dtype=np.uint32)
     return (w << np.uint32(4)) & np.uint32(HIGH_NIBBLES), w & np.uint32(HIGH_NIBBLES)
 
-# %% ../nbs/04_v1.ipynb #933436f1
+# %% ../nbs/04_v1.ipynb #34d4f815
 def decode_row_ref(packed_row):
     "Decode one packed uint8 row the way the kernel does; returns int8 `16·v` in the kernel's K order."
     w = np.frombuffer(np.ascontiguousarray(packed_row, dtype=np.uint8).tobytes(), dtype=np.uint32)
@@ -47,7 +47,7 @@ def kernel_k_order(k):
     chunk = np.array([0, 2, 4, 6, 1, 3, 5, 7])
     return (np.arange(0, k, 8)[:, None] + chunk[None, :]).reshape(-1)
 
-# %% ../nbs/04_v1.ipynb #1dc4be91
+# %% ../nbs/04_v1.ipynb #ee5f1dd5
 def check_decoded_layout(layout8, tile_k):
     "The hand-written decode assumes 128-byte K-major rows with the 128-byte swizzle; refuse anything else."
     if tile_k != 128 or str(layout8.inner) != "S<3,4,3>":
@@ -63,7 +63,7 @@ def decoded_words(ptr, rows, tile_k, stages):
     return cute.make_tensor(cute.recast_ptr(ptr, dtype=cutlass.Uint32),
                             cute.make_layout((rows, tile_k // 16, 4, stages), stride=(tile_k // 4, 4, 1, rows * tile_k // 4)))
 
-# %% ../nbs/04_v1.ipynb #02b5a832
+# %% ../nbs/04_v1.ipynb #51d6d5a1
 @cute.jit
 def decode_tile(packed, decoded, src_stage, dst_stage, tidx, rows: cutlass.Constexpr, tile_k: cutlass.Constexpr,
                 nthreads: cutlass.Constexpr):
@@ -142,7 +142,7 @@ def store_tile(acc, sC, gC, tma_c, tiled_mma, epi_tile: cutlass.Constexpr, c_dty
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-# %% ../nbs/04_v1.ipynb #4bceb400
+# %% ../nbs/04_v1.ipynb #59e8de66
 def storage_from_budget(budget, dtypes):
     "A `cute.struct` with one aligned `MemRange` per allocated budget term; `dtypes` maps term name → element type."
     ann = {}
@@ -161,7 +161,7 @@ def check_term(budget, name, layout, dtype):
     if nbytes != want:
         raise AssertionError(f"smem term {name!r}: kernel buffer {nbytes} B, solver {want} B")
 
-# %% ../nbs/04_v1.ipynb #357ec485
+# %% ../nbs/04_v1.ipynb #d37ffaf8
 class W4A4GemmV1:
     "v1: one CTA per 128×128 tile, 256 threads that all run the same K-loop, one TMA pipeline."
     threads = 256                      # two MMA warpgroups, each owns 64 rows of the tile
@@ -400,7 +400,7 @@ class W4A4GemmV1:
             cute.copy(atom, g[None, k], sm[None, s], tma_bar_ptr=bar)
         main_pipe.producer_commit(prod)
 
-# %% ../nbs/04_v1.ipynb #44ad32fc
+# %% ../nbs/04_v1.ipynb #291fa70f
 def _fail(kind, arg, msg): raise kind(f"{arg}: {msg}")
 
 def check_gemm_inputs(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None,
@@ -446,7 +446,7 @@ def check_gemm_inputs(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias
         if cc != (9, 0): _fail(RuntimeError, "device", f"{torch.cuda.get_device_name(dev)} is sm_{cc[0]}{cc[1]}; this kernel needs sm_90 (Hopper)")
     return M, N, K, R
 
-# %% ../nbs/04_v1.ipynb #c956997a
+# %% ../nbs/04_v1.ipynb #1b9b3e48
 @dataclass(frozen=True)
 class Problem:
     "Everything a compiled kernel is specialised on."
@@ -494,7 +494,7 @@ def build_kernel(version, p: Problem, cluster_n=1, stages=None, lora_accounting=
         return W4A4GemmV2(budget, has_scale=p.has_scale, has_bias=p.has_bias, num_sms=num_sms), budget
     return W4A4GemmV1(budget, has_scale=p.has_scale, has_bias=p.has_bias), budget
 
-# %% ../nbs/04_v1.ipynb #9cc8005c
+# %% ../nbs/04_v1.ipynb #0596d435
 @dataclass
 class CompileReport:
     "What compiling a kernel produced."
@@ -508,6 +508,22 @@ class CompileReport:
                 "TMA load": r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", "TMA store": r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta",
                 "mbarrier wait": r"mbarrier\.try_wait", "local memory": r"(?:ld|st)\.local"}
         return {k: self.count(v) for k, v in pats.items()}
+    def ptxas(self, ptxas=None):
+        """Assemble the PTX with `ptxas -v` (when one is installed: CUDA's, or `$PTXAS`) and return its resource
+        report as a dict: registers, spill_stores and spill_loads bytes. PTX cannot show spills; ptxas can."""
+        import shutil, subprocess, tempfile
+        exe = ptxas or os.environ.get("PTXAS") or shutil.which("ptxas") or next(
+            (p for p in ("/usr/local/cuda/bin/ptxas", "/usr/local/cuda-13.0/bin/ptxas") if os.path.exists(p)), None)
+        if exe is None: return None
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.join(d, "k.ptx")
+            open(src, "w").write(self.ptx.replace("\0", ""))
+            log = subprocess.run([exe, f"-arch={self.arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                                 capture_output=True, text=True, check=True).stderr
+        num = lambda pat: int(re.search(pat, log).group(1))
+        return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
+                    spill_loads=num(r"(\d+) bytes spill loads"))
+
     def __repr__(self):
         st = ", ".join(f"{k} {v}" for k, v in self.budget.stages.items() if v)
         lines = [f"{self.version} for {self.arch}: {self.smem_bytes} B shared memory ({st} stages), compiled in {self.seconds:.1f} s"]
@@ -527,7 +543,7 @@ def compile_kernel(version="v1", problem=None, arch="sm_90a", cluster_n=1, stage
         ptx = "".join(open(os.path.join(d, f), errors="replace").read() for f in os.listdir(d) if f.endswith(".ptx"))
     return CompileReport(version, arch, p, budget, kernel.storage.size_in_bytes(), secs, ptx)
 
-# %% ../nbs/04_v1.ipynb #fdc28fc7
+# %% ../nbs/04_v1.ipynb #a63d7f47
 def _as_cute(t):
     from cutlass.cute.runtime import from_dlpack
     return from_dlpack(t, assumed_align=16)
@@ -585,7 +601,7 @@ def gemm_w4a4(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *
     launch()
     return out
 
-# %% ../nbs/04_v1.ipynb #ea377c61
+# %% ../nbs/04_v1.ipynb #8ce867fb
 def compile_arguments(p):
     "Options of `w4a4-book compile`."
     p.add_argument("version", choices=["v1", "v2"], help="which kernel")
