@@ -29,8 +29,8 @@ __all__ = ['GPU_PEAKS', 'MIN_ITERS', 'L2_FLUSH_MIN_BYTES', 'LAYER_KN', 'GROUP_RA
            'bench_problems', 'Problem', 'make_problem', 'rel_err', 'torch_bf16', 'torch_fp8_rowwise', 'byte_table',
            'dequantize_bf16', 'naive_dequant', 'Method', 'kernel_method', 'kernel_unavailable', 'run_bench',
            'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record', 'add_arguments', 'run',
-           'bench_cli', 'bench_table', 'plot_bench', 'speedups', 'ratio_table', 'record_line', 'large_m',
-           'readme_table', 'standing', 'lora_line', 'readme_results']
+           'bench_cli', 'bench_table', 'plot_bench', 'speedups', 'ratio_table', 'record_line', 'recorded_report',
+           'large_m', 'readme_table', 'standing', 'lora_line', 'readme_results']
 
 # %% ../nbs/09_bench.ipynb #fd0f9cd4
 # Dense (no sparsity) tensor-core peaks in TFLOP/s: half of the "with sparsity" figures of the
@@ -516,6 +516,17 @@ def record_line(name: str, prov: dict) -> str:
     validate(prov)
     return (f"`{name}`: {prov['gpu']}, driver {prov['driver']}, torch {prov['torch']}, nvidia-cutlass-dsl "
             f"{prov['cutlass_dsl']}, commit `{prov['commit'][:12]}`, {prov['date']}. Re-measure: `{prov['command']}`")
+
+def recorded_report(kind: str, table: Callable[[list], str]) -> str:
+    "Every record of `kind` in `nbs/data/`, labelled recorded: its provenance, its re-measure command, `table(rows)`."
+    paths = list_records(kind)
+    if not paths:
+        return f"No recorded {kind} measurement in {data_dir()}."
+    parts = []
+    for path in paths:
+        prov, rows = load_record(path)
+        parts += [f"recorded: {record_line(path.name, prov)}", table(rows), ""]
+    return "\n".join(parts).rstrip()
 
 def _span(values: Sequence[float], fmt: str = "{:.2f}") -> str:
     "`lo–hi` of `values` formatted with `fmt`, or one value when both ends format the same."

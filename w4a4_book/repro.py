@@ -122,14 +122,7 @@ def plot_lora_bug(rows, path=None, title="v2 2-CTA: LoRA accounting"):
 # %% ../nbs/06_lora_bug.ipynb #80764e78
 def recorded_report() -> str:
     "Every recorded LoRA accounting measurement in `nbs/data/`, labelled recorded, with its provenance and re-measure command."
-    paths = records.list_records("lora_bug")
-    if not paths:
-        return f"No recorded measurement in {records.data_dir()}."
-    parts = []
-    for path in paths:
-        prov, rows = records.load_record(path)
-        parts += [f"recorded: {bench.record_line(path.name, prov)}", lora_bug_table(rows), ""]
-    return "\n".join(parts).rstrip()
+    return bench.recorded_report("lora_bug", lora_bug_table)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     "Options of `w4a4-book repro`."

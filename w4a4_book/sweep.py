@@ -124,14 +124,7 @@ def plot_sweep(rows, marks=None, path=None, title=None):
 # %% ../nbs/07_pipeline_depth.ipynb #5d1e2c3a
 def recorded_report() -> str:
     "Every recorded stage sweep in `nbs/data/`, labelled recorded, with its provenance and re-measure command."
-    paths = records.list_records("sweep_stages")
-    if not paths:
-        return f"No recorded sweep in {records.data_dir()}."
-    parts = []
-    for path in paths:
-        prov, rows = records.load_record(path)
-        parts += [f"recorded: {bench.record_line(path.name, prov)}", sweep_table(rows), ""]
-    return "\n".join(parts).rstrip()
+    return bench.recorded_report("sweep_stages", sweep_table)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     "Options of `w4a4-book sweep-stages`."
