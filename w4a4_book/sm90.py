@@ -4,12 +4,12 @@
 
 # %% auto #0
 __all__ = ['HIGH_NIBBLES', 'DECODE_SCALE', 'decode_word_ref', 'decode_row_ref', 'kernel_k_order', 'check_decoded_layout',
-           'packed_words', 'decoded_words', 'decode_tile', 'promote', 'apply_affine', 'store_tile',
+           'packed_words', 'decoded_words', 'decode_tile', 'tma_split', 'promote', 'apply_affine', 'store_tile',
            'storage_from_budget', 'check_term', 'W4A4GemmV1', 'check_gemm_inputs', 'Problem', 'kernel_config',
            'build_kernel', 'CompileReport', 'compile_kernel', 'gemm_launcher', 'gemm_w4a4', 'compile_arguments',
            'compile_command']
 
-# %% ../nbs/04_v1.ipynb #81fc90f7
+# %% ../nbs/04_v1.ipynb #eead3cc1
 import os, re
 from dataclasses import dataclass
 import torch
@@ -26,7 +26,7 @@ import w4a4_book.smem as smem
 import w4a4_book.formats as formats
 from .formats import QTensor
 
-# %% ../nbs/04_v1.ipynb #0c83d921
+# %% ../nbs/04_v1.ipynb #a2b61114
 HIGH_NIBBLES = 0xF0F0F0F0   # keeps the high nibble of each byte, in place
 DECODE_SCALE = 1 / 256      # the INT8 operands are 16·v, so each INT32 partial is 256·Σ a·w
 
@@ -35,7 +35,7 @@ def decode_word_ref(w):
     w = np.asarray(w, dtype=np.uint32)
     return (w << np.uint32(4)) & np.uint32(HIGH_NIBBLES), w & np.uint32(HIGH_NIBBLES)
 
-# %% ../nbs/04_v1.ipynb #34d4f815
+# %% ../nbs/04_v1.ipynb #469cf143
 def decode_row_ref(packed_row):
     "Decode one packed uint8 row the way the kernel does; returns int8 `16·v` in the kernel's K order."
     w = np.frombuffer(np.ascontiguousarray(packed_row, dtype=np.uint8).tobytes(), dtype=np.uint32)
@@ -47,7 +47,7 @@ def kernel_k_order(k):
     chunk = np.array([0, 2, 4, 6, 1, 3, 5, 7])
     return (np.arange(0, k, 8)[:, None] + chunk[None, :]).reshape(-1)
 
-# %% ../nbs/04_v1.ipynb #ee5f1dd5
+# %% ../nbs/04_v1.ipynb #f9902130
 def check_decoded_layout(layout8, tile_k):
     "The hand-written decode assumes 128-byte K-major rows with the 128-byte swizzle; refuse anything else."
     if tile_k != 128 or str(layout8.inner) != "S<3,4,3>":
@@ -63,7 +63,7 @@ def decoded_words(ptr, rows, tile_k, stages):
     return cute.make_tensor(cute.recast_ptr(ptr, dtype=cutlass.Uint32),
                             cute.make_layout((rows, tile_k // 16, 4, stages), stride=(tile_k // 4, 4, 1, rows * tile_k // 4)))
 
-# %% ../nbs/04_v1.ipynb #51d6d5a1
+# %% ../nbs/04_v1.ipynb #af411cb0
 @cute.jit
 def decode_tile(packed, decoded, src_stage, dst_stage, tidx, rows: cutlass.Constexpr, tile_k: cutlass.Constexpr,
                 nthreads: cutlass.Constexpr):
@@ -82,6 +82,12 @@ def decode_tile(packed, decoded, src_stage, dst_stage, tidx, rows: cutlass.Const
                 out[2 * j] = (w[2 * h + j] << 4) & cutlass.Uint32(HIGH_NIBBLES)
                 out[2 * j + 1] = w[2 * h + j] & cutlass.Uint32(HIGH_NIBBLES)
             decoded[r, (2 * c + h) ^ (r % 8), None, dst_stage].store(out.load())
+
+def tma_split(atom, smem, gmem, rank=0, ranks=1):
+    """TMA partition of a staged smem buffer and its tiled global view, both with their first two modes
+    grouped; with `ranks > 1` CTA `rank` of the cluster copies its share of each box (multicast)."""
+    return cute.nvgpu.cpasync.tma_partition(atom, rank, cute.make_layout(ranks),
+                                            cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2))
 
 @cute.jit
 def promote(acc, partial, tCcC, sSA, sSW, g, stage):
@@ -142,7 +148,7 @@ def store_tile(acc, sC, gC, tma_c, tiled_mma, epi_tile: cutlass.Constexpr, c_dty
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-# %% ../nbs/04_v1.ipynb #59e8de66
+# %% ../nbs/04_v1.ipynb #ce29952d
 def storage_from_budget(budget, dtypes):
     "A `cute.struct` with one aligned `MemRange` per allocated budget term; `dtypes` maps term name → element type."
     ann = {}
@@ -161,7 +167,7 @@ def check_term(budget, name, layout, dtype):
     if nbytes != want:
         raise AssertionError(f"smem term {name!r}: kernel buffer {nbytes} B, solver {want} B")
 
-# %% ../nbs/04_v1.ipynb #d37ffaf8
+# %% ../nbs/04_v1.ipynb #d6b14293
 class W4A4GemmV1:
     "v1: one CTA per 128×128 tile, 256 threads that all run the same K-loop, one TMA pipeline."
     threads = 256                      # two MMA warpgroups, each owns 64 rows of the tile
@@ -297,12 +303,10 @@ class W4A4GemmV1:
         gSA = cute.local_tile(mSA, (bm, bk // G), (bidx, None))    # (BM, GROUPS, K_TILES)
         gSW = cute.local_tile(mSW, (bn, bk // G), (bidy, None))    # (BN, GROUPS, K_TILES)
         gC = cute.local_tile(mC, (bm, bn), (bidx, bidy))           # (BM, BN)
-        part = lambda atom, s, g, crd=0, lay=cute.make_layout(1): cute.nvgpu.cpasync.tma_partition(
-            atom, crd, lay, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
-        tAsA, tAgA = part(tma_a, sA, gA, cluster_coord[1], cute.make_layout(mc))  # A is split across the pair
-        tBsB, tBgB = part(tma_b, sB, gB)
-        tSsA, tSgA = part(tma_sa, sSA, gSA)
-        tSsW, tSgW = part(tma_sw, sSW, gSW)
+        tAsA, tAgA = tma_split(tma_a, sA, gA, cluster_coord[1], mc)  # A is split across the pair
+        tBsB, tBgB = tma_split(tma_b, sB, gB)
+        tSsA, tSgA = tma_split(tma_sa, sSA, gSA)
+        tSsW, tSgW = tma_split(tma_sw, sSW, gSW)
 
         # ---- MMA partitions ----
         thr_i8, thr_lora = mma_i8.get_slice(tidx), mma_lora.get_slice(tidx)
@@ -323,8 +327,8 @@ class W4A4GemmV1:
             # (BM, R, 1), (BN, R, 1): the tile's whole LoRA blocks, loaded once
             sLA = st.lora_act.get_tensor(la_l.outer, swizzle=la_l.inner)
             sLU = st.lora_up.get_tensor(lu_l.outer, swizzle=lu_l.inner)
-            tLsA, tLgA = part(tma_la, sLA, cute.local_tile(mLA, (bm, R), (bidx, None)))
-            tLsU, tLgU = part(tma_lu, sLU, cute.local_tile(mLU, (bn, R), (bidy, None)))
+            tLsA, tLgA = tma_split(tma_la, sLA, cute.local_tile(mLA, (bm, R), (bidx, None)))
+            tLsU, tLgU = tma_split(tma_lu, sLU, cute.local_tile(mLU, (bn, R), (bidy, None)))
             lprod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         if warp_idx == 0:
             if cutlass.const_expr(R > 0):
@@ -400,7 +404,7 @@ class W4A4GemmV1:
             cute.copy(atom, g[None, k], sm[None, s], tma_bar_ptr=bar)
         main_pipe.producer_commit(prod)
 
-# %% ../nbs/04_v1.ipynb #291fa70f
+# %% ../nbs/04_v1.ipynb #f5e96f76
 def _fail(kind, arg, msg): raise kind(f"{arg}: {msg}")
 
 def check_gemm_inputs(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None,
@@ -446,7 +450,7 @@ def check_gemm_inputs(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias
         if cc != (9, 0): _fail(RuntimeError, "device", f"{torch.cuda.get_device_name(dev)} is sm_{cc[0]}{cc[1]}; this kernel needs sm_90 (Hopper)")
     return M, N, K, R
 
-# %% ../nbs/04_v1.ipynb #1b9b3e48
+# %% ../nbs/04_v1.ipynb #7365dd8d
 @dataclass(frozen=True)
 class Problem:
     "Everything a compiled kernel is specialised on."
@@ -494,7 +498,7 @@ def build_kernel(version, p: Problem, cluster_n=1, stages=None, lora_accounting=
         return W4A4GemmV2(budget, has_scale=p.has_scale, has_bias=p.has_bias, num_sms=num_sms), budget
     return W4A4GemmV1(budget, has_scale=p.has_scale, has_bias=p.has_bias), budget
 
-# %% ../nbs/04_v1.ipynb #0596d435
+# %% ../nbs/04_v1.ipynb #87c45995
 @dataclass
 class CompileReport:
     "What compiling a kernel produced."
@@ -543,7 +547,7 @@ def compile_kernel(version="v1", problem=None, arch="sm_90a", cluster_n=1, stage
         ptx = "".join(open(os.path.join(d, f), errors="replace").read() for f in os.listdir(d) if f.endswith(".ptx"))
     return CompileReport(version, arch, p, budget, kernel.storage.size_in_bytes(), secs, ptx)
 
-# %% ../nbs/04_v1.ipynb #a63d7f47
+# %% ../nbs/04_v1.ipynb #fd7dab37
 def _as_cute(t):
     from cutlass.cute.runtime import from_dlpack
     return from_dlpack(t, assumed_align=16)
@@ -601,7 +605,7 @@ def gemm_w4a4(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *
     launch()
     return out
 
-# %% ../nbs/04_v1.ipynb #8ce867fb
+# %% ../nbs/04_v1.ipynb #5c67f5d5
 def compile_arguments(p):
     "Options of `w4a4-book compile`."
     p.add_argument("version", choices=["v1", "v2"], help="which kernel")

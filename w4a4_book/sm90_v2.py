@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['WarpRoles', 'raster', 'W4A4GemmV2']
 
-# %% ../nbs/05_v2.ipynb #dbeb053c
+# %% ../nbs/05_v2.ipynb #afef83e7
 from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
@@ -15,10 +15,10 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 import cuda.bindings.driver as cuda
 import w4a4_book.formats as formats
-from .sm90 import (W4A4GemmV1, decode_tile, promote, apply_affine, store_tile, packed_words,
+from .sm90 import (W4A4GemmV1, decode_tile, promote, apply_affine, store_tile, tma_split, packed_words,
                              decoded_words, check_decoded_layout)
 
-# %% ../nbs/05_v2.ipynb #e2d0b88e
+# %% ../nbs/05_v2.ipynb #42a24b95
 @dataclass(frozen=True)
 class WarpRoles:
     "v2's warp specialisation: which warps do what, and the registers each warpgroup keeps."
@@ -42,7 +42,7 @@ class WarpRoles:
         "Registers the warpgroups hold after `setmaxnreg`; must not exceed the SM's 65536."
         return 128 * self.load_regs + 32 * len(self.decode_warps) * self.decode_regs + 32 * len(self.mma_warps) * self.mma_regs
 
-# %% ../nbs/05_v2.ipynb #28393b33
+# %% ../nbs/05_v2.ipynb #2e37d1ed
 def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
     "Tile `(m, n)` of linear tile index `t` when bands of `group_m` M-tiles are walked M-fastest."
     band = t // (group_m * n_tiles)
@@ -51,7 +51,7 @@ def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
     r = t - band * group_m * n_tiles
     return first_m + r % rows, r // rows
 
-# %% ../nbs/05_v2.ipynb #0d6fae7e
+# %% ../nbs/05_v2.ipynb #1836f1c1
 class W4A4GemmV2(W4A4GemmV1):
     "v2: warp-specialised, persistent, optionally a 2-CTA cluster along N."
     roles = WarpRoles()
@@ -162,8 +162,6 @@ class W4A4GemmV2(W4A4GemmV1):
         sA, sB = st.a_packed.get_tensor(a_pk), st.b_packed.get_tensor(b_pk)
         sSA, sSW = st.a_scales.get_tensor(sa_l), st.b_scales.get_tensor(sw_l)
         mask = cute.make_layout_image_mask(cute.make_layout((1, mc, 1)), (0, rank, 0), mode=1)
-        part = lambda atom, s, g, crd=0, lay=cute.make_layout(1): cute.nvgpu.cpasync.tma_partition(
-            atom, crd, lay, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
         if cutlass.const_expr(R > 0):
             sLA = st.lora_act.get_tensor(la_l.outer, swizzle=la_l.inner)     # (BM, R, L)
             sLU = st.lora_up.get_tensor(lu_l.outer, swizzle=lu_l.inner)      # (BN, R, L)
@@ -172,13 +170,13 @@ class W4A4GemmV2(W4A4GemmV1):
         for i in cutlass.range(my_tiles, unroll=1):
             m, n = self.tile_mn(i, rank, cluster_id, n_clusters)
             # (TMA, K_TILES) views of this tile's rows of A and W; A is split across the pair and multicast
-            tAsA, tAgA = part(tma_a, sA, cute.local_tile(mA, (bm, bk // 2), (m, None)), rank, cute.make_layout(mc))
-            tBsB, tBgB = part(tma_b, sB, cute.local_tile(mB, (bn, bk // 2), (n, None)))
-            tSsA, tSgA = part(tma_sa, sSA, cute.local_tile(mSA, (bm, bk // G), (m, None)))
-            tSsW, tSgW = part(tma_sw, sSW, cute.local_tile(mSW, (bn, bk // G), (n, None)))
+            tAsA, tAgA = tma_split(tma_a, sA, cute.local_tile(mA, (bm, bk // 2), (m, None)), rank, mc)
+            tBsB, tBgB = tma_split(tma_b, sB, cute.local_tile(mB, (bn, bk // 2), (n, None)))
+            tSsA, tSgA = tma_split(tma_sa, sSA, cute.local_tile(mSA, (bm, bk // G), (m, None)))
+            tSsW, tSgW = tma_split(tma_sw, sSW, cute.local_tile(mSW, (bn, bk // G), (n, None)))
             if cutlass.const_expr(R > 0):
-                tLsA, tLgA = part(tma_la, sLA, cute.local_tile(mLA, (bm, R), (m, None)), rank, cute.make_layout(mc))
-                tLsU, tLgU = part(tma_lu, sLU, cute.local_tile(mLU, (bn, R), (n, None)))
+                tLsA, tLgA = tma_split(tma_la, sLA, cute.local_tile(mLA, (bm, R), (m, None)), rank, mc)
+                tLsU, tLgU = tma_split(tma_lu, sLU, cute.local_tile(mLU, (bn, R), (n, None)))
                 lora_pipe.producer_acquire(lprod)
                 lbar = lora_pipe.producer_get_barrier(lprod)
                 cute.copy(tma_la, tLgA[None, 0], tLsA[None, lprod.index], tma_bar_ptr=lbar, mcast_mask=mask)
