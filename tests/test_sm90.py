@@ -114,3 +114,28 @@ def test_no_register_spills_where_ptxas_exists(version):
     if res is None:
         pytest.skip("no ptxas on this machine")
     assert res["spill_stores"] <= (0 if version == "v1" else 64), res
+
+
+@pytest.mark.gpu
+def test_v2_i2f_promotion_matches_reference():
+    "v1's promotion, kept in v2 as the measured alternative, stays correct."
+    case = make_case(300, 512, 1024, 32, seed=7)
+    out = sm90.gemm_w4a4(*case, version="v2", promotion="i2f")
+    torch.cuda.synchronize()
+    check_against_ref(out, case, torch.bfloat16)
+
+
+def test_v2_promotion_has_no_conversion():
+    "v2's default promotion reads MAGIC + p straight from the wgmma accumulator: no I2F, two FMAs per element."
+    p = sm90.Problem(4352, 3072, 3840, 32)
+    biased, i2f = sm90.compile_kernel("v2", p), sm90.compile_kernel("v2", p, promotion="i2f")
+    assert biased.count(r"cvt\.rn\.f32\.s32") == 0
+    assert i2f.count(r"cvt\.rn\.f32\.s32") == 128      # 2 groups × 64 accumulator elements per thread
+
+
+@pytest.mark.parametrize("kw, word", [(dict(promotion="fast"), "promotion"), (dict(ablate=("load",)), "ablate")])
+def test_v2_options_are_checked(kw, word):
+    with pytest.raises(ValueError, match=word):
+        sm90.build_kernel("v2", sm90.Problem(256, 256, 256, 16), **kw)
+    with pytest.raises(ValueError, match="options"):
+        sm90.build_kernel("v1", sm90.Problem(256, 256, 256, 16), **kw)

@@ -24,10 +24,11 @@ from .records import data_dir, list_records, load_record, markdown_table, proven
 
 # %% auto #0
 __all__ = ['GPU_PEAKS', 'MIN_ITERS', 'L2_FLUSH_MIN_BYTES', 'LAYER_KN', 'GROUP_RANKS', 'SHAPE_SETS', 'OUT_DTYPES', 'FP8_MAX',
-           'BASELINES', 'KERNELS', 'METHODS', 'FLOOR_FRACTION', 'VALUE_FORMATS', 'RATIO_PAIRS', 'README_RECORDS',
-           'LORA_RECORD', 'README_COLUMNS', 'gpu_key', 'peak_for', 'tflops', 'mfu', 'summarize_times', 'time_cuda',
-           'bench_problems', 'Problem', 'make_problem', 'rel_err', 'torch_bf16', 'torch_fp8_rowwise', 'byte_table',
-           'dequantize_bf16', 'naive_dequant', 'Method', 'kernel_method', 'kernel_unavailable', 'run_bench',
+           'BASELINES', 'KERNELS', 'METHODS', 'STOCK_GEMM_ENV', 'DIAGNOSTICS', 'ALL_METHODS', 'FLOOR_FRACTION',
+           'VALUE_FORMATS', 'RATIO_PAIRS', 'README_RECORDS', 'LORA_RECORD', 'README_COLUMNS', 'gpu_key', 'peak_for',
+           'tflops', 'mfu', 'summarize_times', 'time_cuda', 'bench_problems', 'Problem', 'make_problem', 'rel_err',
+           'torch_bf16', 'torch_fp8_rowwise', 'byte_table', 'dequantize_bf16', 'naive_dequant', 'Method',
+           'kernel_method', 'kernel_unavailable', 'torch_fp8_gemm', 'stock_fp8_gemm', 'pure_kernel_method', 'run_bench',
            'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record', 'add_arguments', 'run',
            'bench_cli', 'bench_table', 'plot_bench', 'speedups', 'ratio_table', 'record_line', 'recorded_report',
            'large_m', 'readme_table', 'standing', 'lora_line', 'readme_results']
@@ -250,8 +251,9 @@ class Method:
     name: str
     build: Callable[[Problem], Callable[[], torch.Tensor]]
     kernel: bool = False   # one of this book's kernels: `--check` holds it to its recorded MFU floor
+    checked: bool = True   # compare its output with the reference (False: it computes something else on purpose)
 
-def kernel_method(name: str, version: str, **tuning) -> Method:
+def kernel_method(name: str, version: str, checked: bool = True, **tuning) -> Method:
     """A `Method` that runs `gemm_w4a4(..., version=version, **tuning)` from `w4a4_book.sm90`. Checks, compilation
     and argument conversion happen once in `gemm_launcher`; the timed call only enqueues the kernel."""
     def build(p: Problem) -> Callable[[], torch.Tensor]:
@@ -261,7 +263,7 @@ def kernel_method(name: str, version: str, **tuning) -> Method:
             launch()
             return out
         return run
-    return Method(name, build, kernel=True)
+    return Method(name, build, kernel=True, checked=checked)
 
 def kernel_unavailable() -> str | None:
     "Why this book's sm_90 kernels cannot run here, or None when they can."
@@ -282,13 +284,64 @@ KERNELS = (kernel_method("w4a4_v1", "v1"), kernel_method("w4a4_v1_2cta", "v1", c
            kernel_method("w4a4_v2", "v2"), kernel_method("w4a4_v2_2cta", "v2", cluster_n=2))
 METHODS: dict[str, Method] = {m.name: m for m in BASELINES + KERNELS}
 
+# %% ../nbs/09_bench.ipynb #7e64f60b
+STOCK_GEMM_ENV = "W4A4_STOCK_GEMM"   # path to dense_gemm_persistent.py of NVIDIA/cutlass v4.3.5
+
+def torch_fp8_gemm(p: Problem) -> Callable[[], torch.Tensor]:
+    "FP8 `torch._scaled_mm` alone (row-wise scales; no LoRA, no affine): cuBLAS's FP8 GEMM on this shape."
+    a, sa = _fp8_rowwise(dequantize(p.act))
+    w, sw = _fp8_rowwise(dequantize(p.wgt))
+    return lambda: torch._scaled_mm(a, w.T, scale_a=sa, scale_b=sw.reshape(1, -1), out_dtype=torch.bfloat16,
+                                    use_fast_accum=True)
+
+def stock_fp8_gemm(p: Problem, path: str | None = None) -> Callable[[], torch.Tensor]:
+    "The stock CuTe DSL persistent FP8 GEMM (128×256 tiles, 2×1 cluster) on this shape, from the example at `path` or `$W4A4_STOCK_GEMM`."
+    import importlib.util, os
+    path = path or os.environ.get(STOCK_GEMM_ENV)
+    if not path:
+        raise NotImplementedError(f"set {STOCK_GEMM_ENV} to examples/python/CuTeDSL/hopper/dense_gemm_persistent.py "
+                                  "of NVIDIA/cutlass v4.3.5")
+    spec = importlib.util.spec_from_file_location("stock_dense_gemm_persistent", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    import cutlass, cutlass.cute as cute, cutlass.torch as ct
+    import cuda.bindings.driver as cuda
+    M, N, K, _ = p.shape
+    f8, bf = cutlass.Float8E4M3FN, cutlass.BFloat16
+    (a, _), (b, _), (c, c_t) = [ct.cute_tensor_like(ct.matrix(1, rows, cols, False, dt), dt, True, 16)
+                                for rows, cols, dt in ((M, K, f8), (N, K, f8), (M, N, bf))]
+    gemm = mod.HopperWgmmaGemmPersistentKernel(cutlass.Float32, (128, 256), (2, 1), 1, True)
+    stream = lambda: cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    fn = cute.compile(gemm, a, b, c, cutlass.utils.HardwareInfo().get_max_active_clusters(2), stream())
+    def run():
+        fn(a, b, c, stream())
+        return c_t
+    return run
+
+def pure_kernel_method(name: str, version: str, **tuning) -> Method:
+    "A kernel `Method` on the main GEMM alone: no LoRA operands, no `wcscales`, no `bias`."
+    def build(p: Problem) -> Callable[[], torch.Tensor]:
+        from w4a4_book.sm90 import gemm_launcher
+        launch, out = gemm_launcher(p.act, p.wgt, out_dtype=p.out_dtype, version=version, **tuning)
+        return lambda: (launch(), out)[1]
+    return Method(name, build, kernel=True, checked=False)
+
+DIAGNOSTICS = (Method("torch_fp8_gemm", torch_fp8_gemm, checked=False),
+               Method("cute_fp8_gemm", stock_fp8_gemm, checked=False),
+               pure_kernel_method("w4a4_v2_pure", "v2"),
+               kernel_method("w4a4_v2_i2f", "v2", promotion="i2f"),
+               kernel_method("w4a4_v2_no_decode", "v2", checked=False, ablate=("decode",)),
+               kernel_method("w4a4_v2_no_promote", "v2", checked=False, ablate=("promote",)),
+               kernel_method("w4a4_v2_mma_only", "v2", checked=False, ablate=("decode", "promote")))
+ALL_METHODS: dict[str, Method] = {**METHODS, **{m.name: m for m in DIAGNOSTICS}}
+
 # %% ../nbs/09_bench.ipynb #cc7019d4
 def _resolve(m: str | Method) -> Method:
     if isinstance(m, Method):
         return m
-    if m not in METHODS:
-        raise ValueError(f"method {m!r} is not one of {', '.join(METHODS)}")
-    return METHODS[m]
+    if m not in ALL_METHODS:
+        raise ValueError(f"method {m!r} is not one of {', '.join(ALL_METHODS)}")
+    return ALL_METHODS[m]
 
 def _measure(m: Method, p: Problem, ref: torch.Tensor | None, why_not: str | None, *, warmup: int, iters: int,
              flush_l2: bool, gpu_name: str) -> dict:
@@ -301,10 +354,10 @@ def _measure(m: Method, p: Problem, ref: torch.Tensor | None, why_not: str | Non
         fn = m.build(p)
         out = fn()
     except (ValueError, NotImplementedError) as e:
-        if not m.kernel:
+        if not m.kernel and not isinstance(e, NotImplementedError):
             raise
         return {**empty, "note": f"{type(e).__name__}: {e}"}
-    err = None if ref is None else rel_err(out, ref)
+    err = None if ref is None or not m.checked else rel_err(out, ref)
     del out
     t = time_cuda(fn, warmup=warmup, iters=iters, flush_l2=flush_l2)
     tf = tflops(M, N, K, t["median_ms"])
@@ -392,7 +445,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     "Options of `w4a4-book bench`."
     p.add_argument("--shapes", choices=SHAPE_SETS, default="all", help="problem set (default: all)")
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="LoRA ranks for every set (default: per set)")
-    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="methods to time")
+    p.add_argument("--methods", nargs="+", choices=list(ALL_METHODS), default=list(METHODS),
+                   help="methods to time (default: the main ones; the diagnostics only when named)")
     p.add_argument("--fmt", choices=tuple(GROUP_SIZE), default="int4", help="4-bit format (default: int4)")
     p.add_argument("--iters", type=int, default=50, help=f"timed calls per method, >= {MIN_ITERS} (default: 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls first (default: 10)")

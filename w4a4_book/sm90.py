@@ -490,12 +490,14 @@ def kernel_config(version, p: Problem, cluster_n=1, stages=None, lora_accounting
     if version == "v2": return smem.HopperV2Config(**kw)
     raise ValueError(f"version: unknown kernel version {version!r} (v1 or v2)")
 
-def build_kernel(version, p: Problem, cluster_n=1, stages=None, lora_accounting="per_cta", num_sms=132):
-    "The kernel object (not yet compiled) and its budget; `num_sms` sizes v2's persistent grid (132 on H100/H200 SXM)."
+def build_kernel(version, p: Problem, cluster_n=1, stages=None, lora_accounting="per_cta", num_sms=132, **options):
+    """The kernel object (not yet compiled) and its budget; `num_sms` sizes v2's persistent grid (132 on H100/H200 SXM).
+    `options` go to v2's constructor (`promotion`, `ablate`); v1 takes none."""
     budget = smem.solve(kernel_config(version, p, cluster_n, stages, lora_accounting), k=p.K)
     if version == "v2":
         from w4a4_book.sm90_v2 import W4A4GemmV2
-        return W4A4GemmV2(budget, has_scale=p.has_scale, has_bias=p.has_bias, num_sms=num_sms), budget
+        return W4A4GemmV2(budget, has_scale=p.has_scale, has_bias=p.has_bias, num_sms=num_sms, **options), budget
+    if options: _fail(ValueError, "options", f"{sorted(options)} apply to v2 only")
     return W4A4GemmV1(budget, has_scale=p.has_scale, has_bias=p.has_bias), budget
 
 # %% ../nbs/04_v1.ipynb #87c45995
@@ -534,11 +536,11 @@ class CompileReport:
         lines += [f"  {k:16s} {v}" for k, v in self.instructions.items()]
         return "\n".join(lines)
 
-def compile_kernel(version="v1", problem=None, arch="sm_90a", cluster_n=1, stages=None, lora_accounting="per_cta"):
-    "Compile a kernel on fake tensors (no GPU needed) and return a `CompileReport`."
+def compile_kernel(version="v1", problem=None, arch="sm_90a", cluster_n=1, stages=None, lora_accounting="per_cta", **options):
+    "Compile a kernel on fake tensors (no GPU needed) and return a `CompileReport`; `options` as for `build_kernel`."
     import tempfile, time
     p = problem or Problem(4352, 3072, 3840, 32)
-    kernel, budget = build_kernel(version, p, cluster_n, stages, lora_accounting)
+    kernel, budget = build_kernel(version, p, cluster_n, stages, lora_accounting, **options)
     with tempfile.TemporaryDirectory() as d:
         from cutlass.cute.runtime import make_fake_stream
         t0 = time.time()
@@ -569,9 +571,10 @@ def _placeholder(dtype, device, n):
     return _dummy[key]
 
 def gemm_launcher(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *, out_dtype=torch.bfloat16,
-                  version="v2", cluster_n=1, stages=None, lora_accounting="per_cta", out=None):
+                  version="v2", cluster_n=1, stages=None, lora_accounting="per_cta", out=None, **options):
     """Validate, compile (cached) and bind the arguments once; returns `(launch, out)` where `launch()` only
-    enqueues the kernel on the current stream. Benchmarks time `launch`, so host-side work stays out of the numbers."""
+    enqueues the kernel on the current stream. Benchmarks time `launch`, so host-side work stays out of the numbers.
+    `options` go to `build_kernel` (v2's `promotion` and `ablate`)."""
     M, N, K, R = check_gemm_inputs(act, wgt, lora_act, lora_up, wcscales, bias, out_dtype, cluster_n)
     dev = act.data.device
     lora_dtype = lora_act.dtype if R else out_dtype
@@ -587,10 +590,10 @@ def gemm_launcher(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=Non
             lora_act, lora_up, wcs, b, out]
     cargs = [_as_cute(t) for t in args]
     stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    key = (version, p, cluster_n, stages, lora_accounting, dev.index, wcs.dtype, b.dtype)
+    key = (version, p, cluster_n, stages, lora_accounting, dev.index, wcs.dtype, b.dtype, tuple(sorted(options.items())))
     if key not in _compiled:
         kernel, _ = build_kernel(version, p, cluster_n, stages, lora_accounting,
-                                 num_sms=torch.cuda.get_device_properties(dev).multi_processor_count)
+                                 num_sms=torch.cuda.get_device_properties(dev).multi_processor_count, **options)
         _compiled[key] = cute.compile(kernel, *cargs, stream)
     fn = _compiled[key]
     def launch(): fn(*cargs, cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
