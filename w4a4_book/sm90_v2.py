@@ -265,7 +265,7 @@ class W4A4GemmV2(W4A4GemmV1):
     @cute.jit
     def mma(self, st, mC, tma_c, mWcs, mBias, mma_i8, mma_lora, a8_l, b8_l, sad_l, swd_l, la_l, lu_l, epi_l,
             dec_pipe, lora_pipe, mtid, is_store_warp, rank, cluster_id, n_clusters, my_tiles):
-        "Warps 8–15: INT8 wgmma per scale group, each promoted while the next group's wgmmas run; LoRA steps in between; the epilogue."
+        "Warps 8–15: per K-block two groups of INT8 wgmma + promotion, LoRA steps in between, then the epilogue."
         bm, bn, bk, R, G = self.bm, self.bn, self.bk, self.rank, 64
         sA8 = st.a_decoded.get_tensor(a8_l.outer, swizzle=a8_l.inner)   # (BM, BK, D)
         sB8 = st.b_decoded.get_tensor(b8_l.outer, swizzle=b8_l.inner)   # (BN, BK, D)
@@ -277,8 +277,8 @@ class W4A4GemmV2(W4A4GemmV1):
         cC = cute.make_identity_tensor((bm, bn))
         tCcC = thr.partition_C(cC)                               # (MMA, MMA_M, MMA_N) → (m, n)
         acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
-        # one INT32 partial per scale group of a K-block (BK = 2 groups): while one is promoted, the other's
-        # wgmmas run — group 1 of the same K-block, or group 0 of the next
+        # one INT32 partial per scale group of a K-block: group 1's wgmma runs while group 0 is promoted
+        biased = self.promotion == "biased"
         partials = [cute.make_rmem_tensor(tCcC.shape, cutlass.Int32) for _ in range(bk // G)]
         steps = R // 16
         lcons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.lstages)
@@ -286,73 +286,47 @@ class W4A4GemmV2(W4A4GemmV1):
             thr_l = mma_lora.get_slice(mtid)
             tLrA = mma_lora.make_fragment_A(thr_l.partition_A(st.lora_act.get_tensor(la_l.outer, swizzle=la_l.inner)))
             tLrB = mma_lora.make_fragment_B(thr_l.partition_B(st.lora_up.get_tensor(lu_l.outer, swizzle=lu_l.inner)))
-        # two consumer states of the decoded ring: `dnext` waits for and issues on the K-block ahead,
-        # `dcons` promotes from and releases the K-block behind; both persist across tiles
         dcons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.dstages)
-        dnext = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.dstages)
         k_tiles = self.k_tiles
-        last_lora_k = ((steps - 1) * k_tiles) // (2 * max(steps, 1))   # the K-block of the last LoRA step
-        # every wgmma accumulates: onto acc (LoRA), onto the value issue_group gives its partial (INT8)
-        mma_i8.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        mma_lora.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         for i in cutlass.range(my_tiles, unroll=1):
             m, n = self.tile_mn(i, rank, cluster_id, n_clusters)
             acc.fill(0.0)
             if cutlass.const_expr(R > 0):
                 lora_pipe.consumer_wait(lcons)
-            dec_pipe.consumer_wait(dnext)
-            for g in cutlass.range_constexpr(2):
-                self.issue_group(mma_i8, partials[g], tCrA8, tCrB8, g, dnext.index)
-            dnext.advance()
             for k in cutlass.range(k_tiles, unroll=1):
-                more = k + 1 < k_tiles
-                # in flight: g0 and g1 of K-block k. Promote g0 while g1 runs ...
-                cute.nvgpu.warpgroup.wait_group(1)
-                self.promote_group(acc, partials[0], tCcC, sSAd, sSWd, 0, dcons.index)
+                dec_pipe.consumer_wait(dcons)
                 if cutlass.const_expr(R > 0):
-                    # LoRA step j after K-block (j·k_tiles)//(2·steps): spread over the first half of the tile
+                    # LoRA step j runs after K-block (j·k_tiles)//(2·steps): spread over the first half
                     for j in cutlass.range_constexpr(steps):
                         if (j * k_tiles) // (2 * steps) == k:
                             cute.nvgpu.warpgroup.fence()
+                            mma_lora.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                             cute.gemm(mma_lora, acc, tLrA[None, None, j, lcons.index], tLrB[None, None, j, lcons.index], acc)
                             cute.nvgpu.warpgroup.commit_group()
-                # ... then start g0 of K-block k+1 and promote g1 of k while it runs
-                if more:
-                    dec_pipe.consumer_wait(dnext)
-                    self.issue_group(mma_i8, partials[0], tCrA8, tCrB8, 0, dnext.index)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                else:
-                    cute.nvgpu.warpgroup.wait_group(0)
-                self.promote_group(acc, partials[1], tCcC, sSAd, sSWd, 1, dcons.index)
-                dec_pipe.consumer_release(dcons)          # both promotions have read this stage's scales
+                if cutlass.const_expr(biased):
+                    for g in cutlass.range_constexpr(bk // G):      # each wgmma chain accumulates onto MAGIC_BITS
+                        partials[g].fill(MAGIC_BITS)
+                cute.nvgpu.warpgroup.fence()
+                for g in cutlass.range_constexpr(bk // G):          # issue every group's wgmmas ...
+                    mma_i8.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, biased)
+                    for kb in cutlass.range_constexpr(G // 32):
+                        kblk = g * (G // 32) + kb
+                        cute.gemm(mma_i8, partials[g], tCrA8[None, None, kblk, dcons.index], tCrB8[None, None, kblk, dcons.index], partials[g])
+                        mma_i8.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.commit_group()
+                for g in cutlass.range_constexpr(bk // G):          # ... then promote each as soon as it lands
+                    cute.nvgpu.warpgroup.wait_group(bk // G - 1 - g)
+                    if cutlass.const_expr("promote" not in self.ablate):
+                        if cutlass.const_expr(biased):
+                            promote_biased(acc, partials[g], tCcC, sSAd, sSWd, g, dcons.index)
+                        else:
+                            promote(acc, partials[g], tCcC, sSAd, sSWd, g, dcons.index)
+                dec_pipe.consumer_release(dcons)
                 dcons.advance()
-                if more:
-                    self.issue_group(mma_i8, partials[1], tCrA8, tCrB8, 1, dnext.index)
-                    dnext.advance()
                 if cutlass.const_expr(R > 0):
-                    if k == last_lora_k:                  # the last LoRA step has completed
+                    if k == ((steps - 1) * k_tiles) // (2 * steps):   # the last LoRA step has completed
                         lora_pipe.consumer_release(lcons)
                         lcons.advance()
             apply_affine(acc, tCcC, mWcs, mBias, n * bn, self.has_scale, self.has_bias)
             store_tile(acc, sC, cute.local_tile(mC, (bm, bn), (m, n)), tma_c, mma_i8, self.epi_tile,
                        self.c_dtype, mtid, is_store_warp, 1, 32 * len(self.roles.mma_warps))
-
-    @cute.jit
-    def issue_group(self, mma_i8, partial, tCrA8, tCrB8, g: cutlass.Constexpr, stage):
-        """Issue (and commit) the two k32 INT8 wgmmas of scale group `g` of decoded stage `stage`, accumulating
-        onto `partial` set to `MAGIC_BITS` (biased promotion) or 0 (i2f). `mma_i8` accumulates (ACCUMULATE set once)."""
-        partial.fill(MAGIC_BITS if self.promotion == "biased" else 0)
-        cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range_constexpr(2):
-            cute.gemm(mma_i8, partial, tCrA8[None, None, 2 * g + kb, stage], tCrB8[None, None, 2 * g + kb, stage], partial)
-        cute.nvgpu.warpgroup.commit_group()
-
-    @cute.jit
-    def promote_group(self, acc, partial, tCcC, sSA, sSW, g: cutlass.Constexpr, stage):
-        "Fold group `g`'s landed partial into `acc` by the configured promotion (or skip it, for the ablation)."
-        if cutlass.const_expr("promote" not in self.ablate):
-            if cutlass.const_expr(self.promotion == "biased"):
-                promote_biased(acc, partial, tCcC, sSA, sSW, g, stage)
-            else:
-                promote(acc, partial, tCcC, sSA, sSW, g, stage)
-
