@@ -139,3 +139,12 @@ def test_v2_options_are_checked(kw, word):
         sm90.build_kernel("v2", sm90.Problem(256, 256, 256, 16), **kw)
     with pytest.raises(ValueError, match="options"):
         sm90.build_kernel("v1", sm90.Problem(256, 256, 256, 16), **kw)
+
+
+@pytest.mark.parametrize("version, R, opts", [("v1", 32, {}), ("v2", 0, {}), ("v2", 32, {}), ("v2", 32, {"promotion": "i2f"})])
+def test_ptxas_keeps_wgmma_pipelined(version, R, opts):
+    "ptxas serialises every wgmma (advisory C7514/C7515) when a non-wgmma instruction touches an in-flight accumulator."
+    res = sm90.compile_kernel(version, sm90.Problem(4352, 3072, 3840, R), **opts).ptxas()
+    if res is None:
+        pytest.skip("no ptxas on this machine")
+    assert res["wgmma_advisories"] == [], res

@@ -516,7 +516,9 @@ class CompileReport:
         return {k: self.count(v) for k, v in pats.items()}
     def ptxas(self, ptxas=None):
         """Assemble the PTX with `ptxas -v` (when one is installed: CUDA's, or `$PTXAS`) and return its resource
-        report as a dict: registers, spill_stores and spill_loads bytes. PTX cannot show spills; ptxas can."""
+        report as a dict: registers, spill_stores and spill_loads bytes, and `wgmma_advisories`, the codes of its
+        wgmma notes (C7514/C7515: it serialised the wgmmas; C7517/C7519: it injected waits or fences). PTX cannot
+        show either; ptxas can."""
         import shutil, subprocess, tempfile
         exe = ptxas or os.environ.get("PTXAS") or shutil.which("ptxas") or next(
             (p for p in ("/usr/local/cuda/bin/ptxas", "/usr/local/cuda-13.0/bin/ptxas") if os.path.exists(p)), None)
@@ -528,7 +530,8 @@ class CompileReport:
                                  capture_output=True, text=True, check=True).stderr
         num = lambda pat: int(re.search(pat, log).group(1))
         return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
-                    spill_loads=num(r"(\d+) bytes spill loads"))
+                    spill_loads=num(r"(\d+) bytes spill loads"),
+                    wgmma_advisories=sorted(set(re.findall(r"\((C75\d\d)\)", log))))
 
     def __repr__(self):
         st = ", ".join(f"{k} {v}" for k, v in self.budget.stages.items() if v)
@@ -601,10 +604,10 @@ def gemm_launcher(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=Non
     return launch, out
 
 def gemm_w4a4(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *, out_dtype=torch.bfloat16,
-              version="v2", cluster_n=1, stages=None, lora_accounting="per_cta", out=None):
+              version="v2", cluster_n=1, stages=None, lora_accounting="per_cta", out=None, **options):
     "`(Σ_g sa·sw·(Aq·Wq) + lora_act·lora_upᵀ)·wcscales + bias` on an sm_90 GPU; returns `[M, N]` in `out_dtype`."
     launch, out = gemm_launcher(act, wgt, lora_act, lora_up, wcscales, bias, out_dtype=out_dtype, version=version,
-                                cluster_n=cluster_n, stages=stages, lora_accounting=lora_accounting, out=out)
+                                cluster_n=cluster_n, stages=stages, lora_accounting=lora_accounting, out=out, **options)
     launch()
     return out
 
