@@ -29,8 +29,8 @@ __all__ = ['GPU_PEAKS', 'MIN_ITERS', 'L2_FLUSH_MIN_BYTES', 'LAYER_KN', 'GROUP_RA
            'tflops', 'mfu', 'summarize_times', 'time_cuda', 'bench_problems', 'Problem', 'make_problem', 'rel_err',
            'torch_bf16', 'torch_fp8_rowwise', 'byte_table', 'dequantize_bf16', 'naive_dequant', 'Method',
            'kernel_method', 'kernel_unavailable', 'torch_fp8_gemm', 'stock_fp8_gemm', 'pure_kernel_method', 'run_bench',
-           'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record', 'add_arguments', 'run',
-           'bench_cli', 'bench_table', 'plot_bench', 'speedups', 'ratio_table', 'record_line', 'recorded_report',
+           'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record', 'recorded_rows', 'add_arguments',
+           'run', 'bench_cli', 'bench_table', 'plot_bench', 'speedups', 'ratio_table', 'record_line', 'recorded_report',
            'large_m', 'readme_table', 'standing', 'lora_line', 'readme_results']
 
 # %% ../nbs/09_bench.ipynb #fd0f9cd4
@@ -440,6 +440,12 @@ def latest_record(gpu_name: str) -> Path | None:
     dated = [(prov["date"], path) for prov, path in dated if prov["gpu"] == gpu_name]
     return max(dated)[1] if dated else None
 
+def recorded_rows(gpu_name: str) -> list[dict]:
+    "Every row of every `bench` record measured on `gpu_name`; where records overlap, the newest one's row."
+    dated = sorted(((prov["date"], rows) for prov, rows in (load_record(p) for p in list_records("bench"))
+                    if prov["gpu"] == gpu_name), key=lambda d: d[0])
+    return list({_key(r): r for _, rows in dated for r in rows}.values())
+
 # %% ../nbs/09_bench.ipynb #849a0826
 def add_arguments(p: argparse.ArgumentParser) -> None:
     "Options of `w4a4-book bench`."
@@ -453,7 +459,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tag", default=None, help="record name suffix: bench_<gpu>_<tag>.json (default: the --shapes set)")
     p.add_argument("--out", type=Path, default=None, help="record path (default: nbs/data/bench_<gpu>_<tag>.json)")
     p.add_argument("--check", action="store_true", help=f"fail when a kernel is below {FLOOR_FRACTION} x its recorded MFU")
-    p.add_argument("--baseline", type=Path, default=None, help="record to check against (default: newest for this GPU)")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="record to check against (default: every record for this GPU, the newest row per method and shape)")
 
 def _command(args: argparse.Namespace) -> str:
     "The full command line that repeats the measurement of `args`."
@@ -473,8 +480,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {r['method']} {r['M']}x{r['N']}x{r['K']} R={r['R']}: {r['note']}", file=sys.stderr)
     status, gpu_name = 0, torch.cuda.get_device_name()
     if args.check:
-        baseline = args.baseline or latest_record(gpu_name)
-        failures = (check_floors(rows, load_record(baseline)[1]) if baseline is not None
+        recorded = load_record(args.baseline)[1] if args.baseline else recorded_rows(gpu_name)
+        baseline = args.baseline or f"every bench record for {gpu_name} under {data_dir()}"
+        failures = (check_floors(rows, recorded) if recorded
                     else [f"no bench record for {gpu_name} under {data_dir()}; run without --check first"])
         for f in failures:
             print(f"FAIL {f}", file=sys.stderr)
