@@ -72,7 +72,7 @@ def _check_layer_args(in_features, out_features, rank, fmt, dtype, backend, kern
 class W4A4Linear(nn.Module):
     "A linear layer computing `x @ W.T + b` as 4-bit activations times 4-bit weights plus a 16-bit low-rank branch."
     def __init__(self, in_features: int, out_features: int, rank: int = 32, fmt: str = "int4", bias: bool = True,
-                 *, dtype: torch.dtype = torch.bfloat16, backend: str = "auto", kernel_version: str = "v1",
+                 *, dtype: torch.dtype = torch.bfloat16, backend: str = "auto", kernel_version: str = "v2",
                  device=None):
         super().__init__()
         _check_layer_args(in_features, out_features, rank, fmt, dtype, backend, kernel_version)
@@ -109,7 +109,7 @@ class W4A4Linear(nn.Module):
 @patch(cls_method=True)
 def from_linear(cls: W4A4Linear, linear: nn.Linear, rank: int = 32, fmt: str = "int4",
                 act_sample: Optional[torch.Tensor] = None, *, alpha: float = SMOOTH_ALPHA,
-                dtype: torch.dtype = torch.bfloat16, backend: str = "auto", kernel_version: str = "v1") -> W4A4Linear:
+                dtype: torch.dtype = torch.bfloat16, backend: str = "auto", kernel_version: str = "v2") -> W4A4Linear:
     "Convert `linear` by SVDQuant: smooth with `act_sample` if given, split off a rank-`rank` branch, quantize the rest."
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"linear must be a torch.nn.Linear, not {type(linear).__name__}")
