@@ -9,10 +9,9 @@ metric ncu printed, by section, with the provenance of `w4a4_book.records`.
 import argparse, csv, io, os, shlex, subprocess, sys
 from pathlib import Path
 
-SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats", "InstructionStats")
-# the stall reasons behind WarpStateStats' chart, and the issue share of each pipe
-METRICS = (r"regex:smsp__average_warps_issue_stalled_\w+_per_issue_active\.ratio",
-           r"regex:sm__inst_executed_pipe_\w+\.avg\.pct_of_peak_sustained_active")
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats", "InstructionStats",
+            "SourceCounters")
+DETAILS = ("--print-details", "all")   # also the metrics behind each section's charts: stall reasons, pipe shares
 WARMUP = 3
 
 def child(version, shape):
@@ -50,15 +49,15 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.child:
         return child(a.version, a.shape)
-    def profile(metrics):
+    def profile(extra):
         cmd = ["ncu", "--csv", "--page", "details", "--kernel-name", "regex:kernel_cutlass_kernel_w4a4",
                "--launch-skip", str(WARMUP), "--launch-count", "1", *[x for s in SECTIONS for x in ("--section", s)],
-               *[x for m in metrics for x in ("--metrics", m)],
+               *extra,
                sys.executable, __file__, "--child", "--version", a.version, "--shape", *map(str, a.shape), "--out", "-"]
         return subprocess.run(cmd, capture_output=True, text=True)
-    res = profile(METRICS)
-    if res.returncode or '"ID"' not in res.stdout:     # a counter this ncu does not know: the sections alone
-        print(f"ncu with the extra metrics failed ({res.returncode}); profiling the sections alone", file=sys.stderr)
+    res = profile(DETAILS)
+    if res.returncode or '"ID"' not in res.stdout:     # an ncu without --print-details: the section bodies alone
+        print(f"ncu {' '.join(DETAILS)} failed ({res.returncode}): {res.stderr.strip()[-500:]}", file=sys.stderr)
         res = profile(())
     if res.returncode or '"ID"' not in res.stdout:
         sys.exit(f"ncu failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
