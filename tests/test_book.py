@@ -15,7 +15,7 @@ from w4a4_book.cli import drop_missing, render_book, sidebar_files
 ROOT = Path(__file__).resolve().parent.parent
 NBS = ROOT/"nbs"
 CHAPTERS = ["index", "01_formats", "02_reference", "03_smem", "04_v1", "05_v2", "06_lora_bug", "07_pipeline_depth",
-            "08_layer", "09_bench", "10_blackwell", "11_gotchas"]
+            "08_layer", "08a_quant", "09_bench", "10_blackwell", "11_gotchas"]
 APPENDIX = ["12_running", "13_cli", "14_records"]
 CONFIG = yaml.safe_load((ROOT/"_quarto.yml").read_text())
 

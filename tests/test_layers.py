@@ -173,7 +173,14 @@ def test_dispatch_to_sm90_kernel(monkeypatch, version):
         calls.append(dict(out_dtype=out_dtype, version=version, y32=y32))
         return y32.to(out_dtype)
 
+    def fake_quantize_lora_down(x, smooth, lora_down_t):
+        "What the fused kernel computes, by the reference rules, on x already cast to the layer's dtype."
+        assert x.dtype == torch.float16 and x.is_contiguous()
+        act = quantize(x.float() / smooth.float(), "int4", torch.float16)
+        return act, (x.float() @ lora_down_t.float().T).half()
+
     monkeypatch.setitem(sys.modules, "w4a4_book.sm90", types.SimpleNamespace(gemm_w4a4=fake_gemm_w4a4))
+    monkeypatch.setitem(sys.modules, "w4a4_book.quant", types.SimpleNamespace(quantize_lora_down=fake_quantize_lora_down))
     monkeypatch.setattr(W4A4Linear, "why_not_sm90", lambda self, x: None)
     lin, calib, x = outlier_problem()
     layer = W4A4Linear.from_linear(lin, rank=16, act_sample=calib, kernel_version=version, dtype=torch.float16)
@@ -196,7 +203,7 @@ def test_sm90_backend_matches_reference():
     layer = W4A4Linear.from_linear(lin.cuda(), rank=32, act_sample=calib.cuda())
     x = x.cuda().bfloat16()
     y = layer(x)
-    assert layer.last_backend == "sm90-v1"
+    assert layer.last_backend == "sm90-v2"
     layer.backend = "reference"
     ref = layer(x)
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2

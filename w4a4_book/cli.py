@@ -47,6 +47,7 @@ COMMANDS: dict[str, Command] = {
     "bench": Command("w4a4_book.bench", "time the W4A4 kernels against torch baselines on a Hopper GPU"),
     "repro": Command("w4a4_book.repro", "reproduce the LoRA accounting experiment (recorded data without a GPU)"),
     "sweep-stages": Command("w4a4_book.sweep", "measure MFU against the main K-loop stage count on a Hopper GPU"),
+    "bench-layer": Command("w4a4_book.layers", "time the whole W4A4Linear forward against torch layers on a Hopper GPU"),
 }
 
 # %% ../nbs/13_cli.ipynb #1f6cbe18

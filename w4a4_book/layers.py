@@ -17,7 +17,8 @@ from .reference import LORA_RANK_MULTIPLE, w4a4_gemm_ref
 
 # %% auto #0
 __all__ = ['SMOOTH_ALPHA', 'BACKENDS', 'KERNEL_VERSIONS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'SM90_CAPABILITY', 'SM90_K_MULTIPLE',
-           'SM90_N_MULTIPLE', 'smooth_factors', 'low_rank', 'W4A4Linear']
+           'SM90_N_MULTIPLE', 'SM90_MAX_RANK', 'LAYER_PATHS', 'smooth_factors', 'low_rank', 'W4A4Linear', 'layer_paths',
+           'run_layer_bench', 'layer_table', 'add_arguments', 'run']
 
 # %% ../nbs/08_layer.ipynb #f9cd34a0
 SMOOTH_ALPHA = 0.5   # migration strength of SmoothQuant (Xiao et al., 2023), also SVDQuant's default
@@ -145,10 +146,26 @@ def quantize_input(self: W4A4Linear, x: torch.Tensor) -> tuple:
     lora_act = (x @ self.lora_down.float()).to(self.dtype) if self.rank else None
     return act, lora_act
 
+@patch
+def quantize_input_fused(self: W4A4Linear, x: torch.Tensor) -> tuple:
+    """The sm90 path's `quantize_input`: one kernel ([`quantize_lora_down`](08a_quant.ipynb)) on `x` cast to the
+    layer's `dtype`; the same codes and scales as `quantize_input` on that cast."""
+    from w4a4_book.quant import quantize_lora_down
+    return quantize_lora_down(x.to(self.dtype).contiguous(), self.smooth, self.lora_down_t if self.rank else None)
+
+@patch(as_prop=True)
+def lora_down_t(self: W4A4Linear) -> torch.Tensor:
+    "`lora_down` transposed to `[R, K]`, K-contiguous, as the fused kernel's TMA reads it; cached until `lora_down` changes."
+    key = (self.lora_down.data_ptr(), self.lora_down._version, self.lora_down.device)
+    if self.__dict__.get("_lora_down_t_key") != key:
+        self.__dict__["_lora_down_t"], self.__dict__["_lora_down_t_key"] = self.lora_down.t().contiguous(), key
+    return self.__dict__["_lora_down_t"]
+
 # %% ../nbs/08_layer.ipynb #f05f81e5
 SM90_CAPABILITY = (9, 0)   # Hopper (H100/H200): compute capability 9.0
 SM90_K_MULTIPLE = 128      # the sm90 kernels' K block: gemm_w4a4 requires K % 128 == 0
 SM90_N_MULTIPLE = 128      # the sm90 kernels' N tile: gemm_w4a4 requires N % 128 == 0
+SM90_MAX_RANK = 256        # quantize_lora_down's wgmma is 64×R with R ≤ 256
 
 @patch
 def why_not_sm90(self: W4A4Linear, x: torch.Tensor) -> Optional[str]:
@@ -164,10 +181,13 @@ def why_not_sm90(self: W4A4Linear, x: torch.Tensor) -> Optional[str]:
         return f"in_features={self.in_features} is not a multiple of {SM90_K_MULTIPLE}"
     if self.out_features % SM90_N_MULTIPLE:
         return f"out_features={self.out_features} is not a multiple of {SM90_N_MULTIPLE}"
+    if self.rank > SM90_MAX_RANK:
+        return f"rank={self.rank} exceeds {SM90_MAX_RANK}, the widest LoRA block the fused activation kernel holds"
     try:
         import_module("w4a4_book.sm90")
+        import_module("w4a4_book.quant")
     except ImportError as e:
-        return f"w4a4_book.sm90 cannot be imported ({e})"
+        return f"the sm90 kernels cannot be imported ({e})"
     return None
 
 # %% ../nbs/08_layer.ipynb #dc0ecb6b
@@ -188,14 +208,109 @@ def forward(self: W4A4Linear, x: torch.Tensor) -> torch.Tensor:
     if self.backend == "sm90" and reason:
         raise ValueError(f"backend='sm90' cannot run: {reason}")
     rows = x.reshape(-1, self.in_features)
-    act, lora_act = self.quantize_input(rows)
     lora_up = self.lora_up if self.rank else None
     if reason is None and self.backend != "reference":
         from w4a4_book.sm90 import gemm_w4a4
+        act, lora_act = self.quantize_input_fused(rows)
         y = gemm_w4a4(act, self.qweight, lora_act, lora_up, self.wcscales, self.bias,
                       out_dtype=self.dtype, version=self.kernel_version)
         self.last_backend = f"sm90-{self.kernel_version}"
     else:
+        act, lora_act = self.quantize_input(rows)
         y = w4a4_gemm_ref(act, self.qweight, lora_act, lora_up, self.wcscales, self.bias)
         self.last_backend = "reference"
     return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+# %% ../nbs/08_layer.ipynb #7cb7f5b6
+LAYER_PATHS = ("torch_bf16", "torch_fp8", "w4a4", "w4a4_torch_quant")
+
+def layer_paths(M: int, K: int, N: int, R: int = 32, seed: int = 0) -> tuple:
+    "`({path: callable}, fp32 reference)` for one `M×K → N` layer with a rank-`R` branch, built on the current GPU."
+    import torch.nn.functional as F
+    from w4a4_book.sm90 import gemm_w4a4
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lin = nn.Linear(K, N, device="cuda")
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(N, K, device="cuda", generator=g) / K ** 0.5)
+        lin.bias.copy_(torch.randn(N, device="cuda", generator=g) * 0.1)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    layer = W4A4Linear.from_linear(lin, rank=R, act_sample=x[:256].float(), dtype=torch.bfloat16, backend="sm90",
+                                   kernel_version="v2")
+    w, b = lin.weight.detach().bfloat16(), lin.bias.detach().bfloat16()
+    down, up = layer.lora_down, layer.lora_up
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    sw = (lin.weight.detach().abs().amax(1, keepdim=True) / fmax).clamp_min(1e-12)
+    wq, sw = (lin.weight.detach() / sw).to(torch.float8_e4m3fn), sw.reshape(1, -1).float()
+    def torch_fp8():
+        sx = (x.float().abs().amax(1, keepdim=True) / fmax).clamp_min(1e-12)
+        xq = (x.float() / sx).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, wq.T, scale_a=sx, scale_b=sw, bias=b, out_dtype=torch.bfloat16, use_fast_accum=True)
+        return y.addmm_(x @ down, up.T)
+    def torch_quant():
+        act, lora_act = layer.quantize_input(x)
+        return gemm_w4a4(act, layer.qweight, lora_act, up, layer.wcscales, layer.bias, version="v2")
+    paths = {"torch_bf16": lambda: F.linear(x, w, b).addmm_(x @ down, up.T), "torch_fp8": torch_fp8,
+             "w4a4": lambda: layer(x), "w4a4_torch_quant": torch_quant}
+    with torch.no_grad():
+        ref = lin(x.float())
+    return paths, ref
+
+def run_layer_bench(shapes, R: int = 32, iters: int = 50, warmup: int = 10, quiet: bool = False) -> list:
+    "Time every path of `layer_paths` on every `(M, K, N)`; one row per pair, with TFLOP/s of 2·M·N·K and `rel_err`."
+    from w4a4_book.bench import time_cuda, tflops, mfu, rel_err
+    gpu, rows = torch.cuda.get_device_name(), []
+    for M, K, N in shapes:
+        paths, ref = layer_paths(M, K, N, R)
+        for name, fn in paths.items():
+            with torch.no_grad():
+                err = rel_err(fn(), ref)
+                t = time_cuda(fn, warmup=warmup, iters=iters)
+            tf = tflops(M, N, K, t["median_ms"])
+            rows.append(dict(method=name, M=M, N=N, K=K, R=R, **t, tflops=tf, mfu=mfu(tf, gpu), rel_err=err))
+            if not quiet: print(f"{M}x{K}->{N} R={R} {name}: {t['median_ms']:.3f} ms, {tf:.0f} TFLOP/s, rel_err {err:.1e}", flush=True)
+        del paths, ref
+        torch.cuda.empty_cache()
+    return rows
+
+def layer_table(rows: list) -> str:
+    "Milliseconds per forward and each path's speed-up over `torch_fp8`, one line per shape."
+    from w4a4_book.records import markdown_table
+    by = {(r["method"], r["M"], r["K"], r["N"]): r for r in rows}
+    shapes = list(dict.fromkeys((r["M"], r["K"], r["N"], r["R"]) for r in rows))
+    out = []
+    for M, K, N, R in shapes:
+        base = by[("torch_fp8", M, K, N)]["median_ms"]
+        line = {"M×K→N": f"{M}×{K}→{N}", "R": R}
+        for p in LAYER_PATHS:
+            line[f"{p} ms"] = f"{by[(p, M, K, N)]['median_ms']:.3f}"
+        line["w4a4 / torch_fp8"] = f"{base / by[('w4a4', M, K, N)]['median_ms']:.2f}×"
+        line["w4a4 / w4a4_torch_quant"] = f"{by[('w4a4_torch_quant', M, K, N)]['median_ms'] / by[('w4a4', M, K, N)]['median_ms']:.2f}×"
+        out.append(line)
+    return markdown_table(out)
+
+def add_arguments(p) -> None:
+    "Options of `w4a4-book bench-layer`."
+    p.add_argument("--shapes", choices=("m4352", "m256", "all"), default="all", help="M=4352, M=256 or both, at the benchmark (K, N)")
+    p.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--out", default=None, help="record path (default: nbs/data/layer_<gpu>.json)")
+
+def run(args) -> int:
+    "Measure on an sm_90 GPU and save a record; elsewhere print the recorded one."
+    from w4a4_book.bench import LAYER_KN, gpu_key
+    from w4a4_book.records import data_dir, list_records, load_record, provenance, save_record
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != SM90_CAPABILITY:
+        for path in list_records("layer"):
+            prov, rows = load_record(path)
+            print(f"recorded on the {prov['gpu']} ({prov['date'][:10]}, commit {prov['commit'][:10]}); re-measure: {prov['command']}")
+            print(layer_table(rows))
+        return 0
+    ms = {"m4352": (4352,), "m256": (256,), "all": (4352, 256)}[args.shapes]
+    shapes = [(M, K, N) for M in ms for K, N in LAYER_KN]
+    rows = run_layer_bench(shapes, args.rank, args.iters)
+    print(layer_table(rows))
+    gpu = torch.cuda.get_device_name()
+    path = args.out or data_dir() / f"layer_{gpu_key(gpu).lower().replace(' ', '-')}.json"
+    cmd = f"w4a4-book bench-layer --shapes {args.shapes} --rank {args.rank} --iters {args.iters}"
+    print(f"saved {save_record(path, provenance(cmd, [list(s) for s in shapes], kind='layer', rank=args.rank), rows)}")
+    return 0

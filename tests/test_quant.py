@@ -1,0 +1,85 @@
+"The fused activation kernel: argument checks and PTX on any machine, exactness against `quantize` on an sm_90 GPU."
+import re
+
+import pytest
+import torch
+
+from w4a4_book import quant
+from w4a4_book.formats import quantize
+
+
+def bf16(*shape):
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(x=bf16(64, 512).float()), "x: must be bfloat16 or float16"),
+    (dict(x=bf16(64, 96)), "x: K=96 must be a multiple of the int4 group size 64"),
+    (dict(x=bf16(0, 512)), "x: has no rows"),
+    (dict(x=bf16(64, 512).t()), "x: must be 2-D|x: must be contiguous|K=64"),
+    (dict(x=bf16(64, 512), smooth=bf16(512).half()), "smooth: dtype"),
+    (dict(x=bf16(64, 512), smooth=bf16(256)), "smooth: expected shape \\[512\\]"),
+    (dict(x=bf16(64, 512), lora_down_t=bf16(512, 32)), "lora_down_t: expected shape \\[R, 512\\]"),
+    (dict(x=bf16(64, 512), lora_down_t=bf16(272, 512)), "rank R=272"),
+    (dict(x=bf16(64, 512), lora_down_t=bf16(32, 512).half()), "lora_down_t: dtype"),
+])
+def test_bad_arguments_are_named(kw, msg):
+    with pytest.raises((TypeError, ValueError), match=msg):
+        quant.check_quant_inputs(need_gpu=False, **kw)
+
+
+def test_cpu_tensors_are_refused_before_any_launch():
+    with pytest.raises(ValueError, match="x: must be on a CUDA device"):
+        quant.quantize_lora_down(bf16(64, 512))
+
+
+@pytest.mark.parametrize("R", [0, 32, 128])
+def test_compiles_for_sm90a_with_exact_arithmetic(R):
+    import os, tempfile
+    import cutlass, cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor as fake, make_fake_stream
+    M, K, RL = 300, 1024, max(R, 16)
+    dt = cutlass.BFloat16
+    args = [fake(dt, (M, K), stride_order=(1, 0), assumed_align=16), fake(dt, (K,), assumed_align=16),
+            fake(dt, (RL, K), stride_order=(1, 0), assumed_align=16), fake(cutlass.Int32, (M, K // 8), stride_order=(1, 0), assumed_align=16),
+            fake(dt, (K // 64, M), stride_order=(1, 0), assumed_align=16), fake(dt, (M, RL), stride_order=(1, 0), assumed_align=16)]
+    with tempfile.TemporaryDirectory() as d:
+        cute.compile(quant.QuantLoraDown(R), *args, make_fake_stream(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}")
+        ptx = "".join(open(os.path.join(d, f)).read() for f in os.listdir(d) if f.endswith(".ptx"))
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == (4 if R else 0)
+    assert len(re.findall(r"cvt\.rni\.s32\.f32", ptx)) == 32 and not re.search(r"div\.approx", ptx)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == (4 if R else 2)
+
+
+CASES = [  # M (tails), K, R, dtype, smooth
+    (64, 128, 16, torch.bfloat16, True),
+    (300, 512, 32, torch.bfloat16, True),
+    (777, 1536, 64, torch.float16, True),
+    (4352, 3840, 128, torch.bfloat16, True),
+    (1000, 1024, 256, torch.bfloat16, False),
+    (257, 640, 0, torch.float16, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, K, R, dt, smooth", CASES)
+def test_exact_against_quantize(M, K, R, dt, smooth):
+    g = torch.Generator(device="cuda").manual_seed(M + K + R)
+    x = (torch.randn(M, K, device="cuda", generator=g) * 3).to(dt)
+    x[:, 5] *= 40                                                    # an outlier channel
+    lam = (torch.rand(K, device="cuda", generator=g) + 0.5).to(dt) if smooth else None
+    down = (torch.randn(K, R, device="cuda", generator=g) / K ** 0.5).to(dt) if R else None
+    act, lora_act = quant.quantize_lora_down(x, lam, down.T.contiguous() if R else None)
+    torch.cuda.synchronize()
+    xs = x.float() / lam.float() if smooth else x.float()
+    ref = quantize(xs, "int4", dt)
+    assert torch.equal(act.scales, ref.scales)
+    assert torch.equal(act.data, ref.data), (act.data != ref.data).sum().item()
+    if R:
+        want = x.float() @ down.float()
+        # fp32 sums in another order, then one rounding to the 16-bit output: within one output ulp + a little
+        ulp = 2.0 ** -7 if dt == torch.bfloat16 else 2.0 ** -10
+        bound = ulp * want.abs() + 2.0 ** -16 * want.abs().max()
+        assert ((lora_act.float() - want).abs() <= bound).all()
+    else:
+        assert lora_act is None
