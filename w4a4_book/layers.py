@@ -236,11 +236,13 @@ def layer_paths(M: int, K: int, N: int, R: int = 32, seed: int = 0) -> tuple:
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
     layer = W4A4Linear.from_linear(lin, rank=R, act_sample=x[:256].float(), dtype=torch.bfloat16, backend="sm90",
                                    kernel_version="v2")
-    w, b = lin.weight.detach().bfloat16(), lin.bias.detach().bfloat16()
     down, up = layer.lora_down, layer.lora_up
+    # the torch paths run the same split: a residual weight plus the LoRA branch, together equal to lin.weight
+    w_res = lin.weight.detach() - up.float() @ down.float().T
+    w, b = w_res.bfloat16(), lin.bias.detach().bfloat16()
     fmax = torch.finfo(torch.float8_e4m3fn).max
-    sw = (lin.weight.detach().abs().amax(1, keepdim=True) / fmax).clamp_min(1e-12)
-    wq, sw = (lin.weight.detach() / sw).to(torch.float8_e4m3fn), sw.reshape(1, -1).float()
+    sw = (w_res.abs().amax(1, keepdim=True) / fmax).clamp_min(1e-12)
+    wq, sw = (w_res / sw).to(torch.float8_e4m3fn), sw.reshape(1, -1).float()
     def torch_fp8():
         sx = (x.float().abs().amax(1, keepdim=True) / fmax).clamp_min(1e-12)
         xq = (x.float() / sx).to(torch.float8_e4m3fn)

@@ -229,7 +229,7 @@ def quantize_lora_down(x, smooth=None, lora_down_t=None, *, stages=4):
     ldt = lora_down_t if lora_down_t is not None else x.new_zeros(16, K)
     args = [from_dlpack(t, assumed_align=16) for t in (x, sm, ldt, data.view(torch.int32), scales, lora_act)]
     stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    key = (x.dtype, R, smooth is not None, stages, dev.index)
+    key = (M, K, R, x.dtype, smooth is not None, stages, dev.index)   # the compiled kernel is specialised on shapes
     if key not in _compiled:
         _compiled[key] = cute.compile(QuantLoraDown(R, stages, smooth is not None), *args, stream)
     _compiled[key](*args, stream)
