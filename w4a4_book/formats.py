@@ -163,7 +163,10 @@ def _groups(x: torch.Tensor, fmt: str) -> torch.Tensor:
 def _quantize_int4(x: torch.Tensor, scale_dtype: torch.dtype) -> QTensor:
     "INT4 rule on float32 `x` `[rows, K]`: scale = amax/7 rounded to `scale_dtype`, codes = round(x/scale)."
     xg = _groups(x, "int4")
-    scale = (xg.abs().amax(-1) / INT4_MAX).to(scale_dtype)          # [rows, K/G]
+    amax = xg.abs().amax(-1)
+    # a tensor divisor: PyTorch turns division by a Python number into a multiply by its rounded reciprocal on
+    # CUDA, one bit short of true division; the rule (and the fused kernel) is the correctly rounded amax/7
+    scale = (amax / torch.full_like(amax, INT4_MAX)).to(scale_dtype)   # [rows, K/G]
     if torch.isinf(scale).any():
         raise ValueError(f"x has a group with amax/{INT4_MAX} beyond the range of {scale_dtype}; use bfloat16 scales")
     s = scale.float().unsqueeze(-1)
