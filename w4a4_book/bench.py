@@ -442,9 +442,10 @@ def latest_record(gpu_name: str) -> Path | None:
     return max(dated)[1] if dated else None
 
 def recorded_rows(gpu_name: str) -> list[dict]:
-    "Every row of every `bench` record measured on `gpu_name`; where records overlap, the newest one's row."
+    """Every row of every `bench` record measured on `gpu_name`, except experiments (a reverted or unmerged commit,
+    marked `experiment` in the provenance); where records overlap, the newest one's row."""
     dated = sorted(((prov["date"], rows) for prov, rows in (load_record(p) for p in list_records("bench"))
-                    if prov["gpu"] == gpu_name), key=lambda d: d[0])
+                    if prov["gpu"] == gpu_name and not prov.get("experiment")), key=lambda d: d[0])
     return list({_key(r): r for _, rows in dated for r in rows}.values())
 
 # %% ../nbs/09_bench.ipynb #849a0826
