@@ -20,8 +20,8 @@ import w4a4_book.formats as formats
 from .formats import QTensor
 
 # %% ../nbs/08a_quant.ipynb #2ed00b99
-G = 64              # int4 group size: one K-block of the kernel is one scale group
-INT4_MAX = 7
+G = formats.GROUP_SIZE["int4"]     # 64: one K-block of the kernel is one scale group
+INT4_MAX = formats.INT4_MAX        # 7: scale = amax / 7
 
 def _asm_f32(op, *xs, loc=None, ip=None):
     return llvm.inline_asm(T.f32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in xs], op,
