@@ -20,3 +20,29 @@ def test_parse_details_csv():
     assert metrics["SchedulerStats"] == {"Issue Slots Busy (%)": 61.2}
     assert metrics["Command line profiler metrics"]["smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"] == 1234.5
     assert metrics["SpeedOfLight"]["Memory Throughput"] == "n/a"
+
+
+SOURCE = '''"Kernel Name","kernel_cutlass_kernel_w4a4_x",
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb","stall_selected","stall_long_sb (Not Issued)"
+"0x10","      LDC R1, c[0x0][0x28]","2","8","0","2","0"
+"0x20","      USETMAXREG.DEALLOC.CTAPOOL 0x18","0","4","0","0","0"
+"0x30","      SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R3+URZ], R4","6","40","6","0","6"
+"0x40","@!P0  NANOSLEEP.SYNCS 0x989680","2","10","2","0","2"
+"0x50","@!P0  BRA 0x30","2","10","0","2","0"
+"0x60","      USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe0","0","8","0","0","0"
+"0x70","      FFMA R1, R2, R3, R1","8","1,600","0","8","0"
+'''
+
+
+def test_source_samples_by_role():
+    "Each setmaxnreg starts a role named by its register count; mbarrier waits are the try-wait, its sleep and retry."
+    ins = ncu_stalls.parse_source(SOURCE)
+    assert [i["Address"] for i in ins] == ["0x10", "0x20", "0x30", "0x40", "0x50", "0x60", "0x70"]
+    assert ins[-1]["Instructions Executed"] == 1600.0
+    roles = ncu_stalls.by_role(ins, k_blocks_per_cta=10, ctas=2)
+    assert set(roles) == {"setup", "load", "mma"}
+    assert roles["load"]["samples (% of all)"] == 50.0 and roles["mma"]["samples (% of all)"] == 40.0
+    assert roles["load"]["waiting on an mbarrier (%)"] == 100.0 and roles["mma"]["waiting on an mbarrier (%)"] == 0.0
+    assert roles["load"]["stall: long_sb (%)"] == 80.0
+    assert roles["mma"]["instructions per warp per K-block"] == 1608 / (2 * 8 * 10)
+    assert "stall: long_sb (Not Issued) (%)" not in roles["mma"]
