@@ -362,3 +362,19 @@ def test_readme_results_from_another_folder(tmp_path):
         save_record(tmp_path/name, prov, rows)
     assert readme_results(tmp_path) != readme_results()
     assert readme_results(tmp_path).count("Re-measure: `") == 3
+
+
+@pytest.mark.gpu
+def test_time_cuda_graph_replays_the_work():
+    "`graph=True` times replays of one capture; the replay really computes, and a host sync refuses to be captured."
+    x = torch.randn(512, 512, device="cuda")
+    y = torch.empty_like(x)
+    t = time_cuda(lambda: torch.mm(x, x, out=y), warmup=2, iters=20, graph=True)
+    assert t["n"] == 20 and t["median_ms"] > 0
+    replay = bench.cuda_graph(lambda: torch.mm(x, x, out=y))
+    y.zero_()
+    replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, x @ x)
+    with pytest.raises(RuntimeError):
+        bench.cuda_graph(lambda: x.sum().item())

@@ -209,6 +209,23 @@ def test_sm90_backend_matches_reference():
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm_90 GPU")
+def test_sm90_forward_replays_as_a_cuda_graph():
+    "The sm90 forward (fused activation kernel + v2) is capturable: a replay gives the eager output, bit for bit."
+    from w4a4_book.bench import cuda_graph
+    lin, calib, x = outlier_problem(K=1024, N=512, tokens=256)
+    layer = W4A4Linear.from_linear(lin.cuda(), rank=32, act_sample=calib.cuda())
+    x = x.cuda().bfloat16()
+    eager, out = layer(x), {}
+    replay = cuda_graph(lambda: out.__setitem__("y", layer(x)))
+    out["y"].zero_()
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out["y"], eager)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input
 

@@ -26,8 +26,8 @@ from .records import data_dir, list_records, load_record, markdown_table, proven
 __all__ = ['GPU_PEAKS', 'MIN_ITERS', 'L2_FLUSH_MIN_BYTES', 'LAYER_KN', 'GROUP_RANKS', 'SHAPE_SETS', 'OUT_DTYPES', 'FP8_MAX',
            'BASELINES', 'KERNELS', 'METHODS', 'STOCK_GEMM_ENV', 'DIAGNOSTICS', 'ALL_METHODS', 'FLOOR_FRACTION',
            'VALUE_FORMATS', 'RATIO_PAIRS', 'README_RECORDS', 'LORA_RECORD', 'README_COLUMNS', 'gpu_key', 'peak_for',
-           'tflops', 'mfu', 'summarize_times', 'time_cuda', 'bench_problems', 'Problem', 'make_problem', 'rel_err',
-           'torch_bf16', 'torch_fp8_rowwise', 'byte_table', 'dequantize_bf16', 'naive_dequant', 'Method',
+           'tflops', 'mfu', 'summarize_times', 'cuda_graph', 'time_cuda', 'bench_problems', 'Problem', 'make_problem',
+           'rel_err', 'torch_bf16', 'torch_fp8_rowwise', 'byte_table', 'dequantize_bf16', 'naive_dequant', 'Method',
            'kernel_method', 'kernel_unavailable', 'torch_fp8_gemm', 'stock_fp8_gemm', 'pure_kernel_method', 'run_bench',
            'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record', 'recorded_rows', 'add_arguments',
            'run', 'bench_cli', 'bench_table', 'plot_bench', 'speedups', 'ratio_table', 'record_line', 'recorded_report',
@@ -105,11 +105,30 @@ def summarize_times(times_ms: Sequence[float]) -> dict:
     return dict(median_ms=statistics.median(times_ms), p10_ms=deciles[0], p90_ms=deciles[-1], n=len(times_ms))
 
 # %% ../nbs/09_bench.ipynb #f9f12061
-def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50, flush_l2: bool = True) -> dict:
-    "Time `fn()` on the current CUDA device: an event pair per call, L2 flushed before each, outside the interval."
+def cuda_graph(fn: Callable[[], object]) -> Callable[[], None]:
+    """`fn`'s GPU work captured once in a CUDA graph; returns the graph's `replay`. Raises RuntimeError (from
+    PyTorch) when `fn` cannot be captured, e.g. when it synchronises with the host."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):              # PyTorch's rule: run once on a side stream before capturing
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50, flush_l2: bool = True,
+              graph: bool = False) -> dict:
+    """Time `fn()` on the current CUDA device: an event pair per call, L2 flushed before each, outside the interval.
+    With `graph`, `fn` is captured once (`cuda_graph`) and each timed call is one replay: the GPU time without
+    the host's per-call work."""
     _check_timing(iters, warmup)
     _require_cuda("time_cuda")
     for _ in range(warmup):
+        fn()
+    if graph:
+        fn = cuda_graph(fn)
         fn()
     flush = None
     if flush_l2:

@@ -257,8 +257,10 @@ def layer_paths(M: int, K: int, N: int, R: int = 32, seed: int = 0) -> tuple:
         ref = lin(x.float())
     return paths, ref
 
-def run_layer_bench(shapes, R: int = 32, iters: int = 50, warmup: int = 10, quiet: bool = False) -> list:
-    "Time every path of `layer_paths` on every `(M, K, N)`; one row per pair, with TFLOP/s of 2·M·N·K and `rel_err`."
+def run_layer_bench(shapes, R: int = 32, iters: int = 50, warmup: int = 10, quiet: bool = False, graph: bool = False) -> list:
+    """Time every path of `layer_paths` on every `(M, K, N)`; one row per pair, with TFLOP/s of 2·M·N·K and `rel_err`.
+    With `graph` each path is timed as a CUDA-graph replay (`timing` "graph"), or eagerly ("eager") if it cannot be
+    captured; `torch_quant`'s finiteness check synchronises, for one."""
     from w4a4_book.bench import time_cuda, tflops, mfu, rel_err
     gpu, rows = torch.cuda.get_device_name(), []
     for M, K, N in shapes:
@@ -266,10 +268,16 @@ def run_layer_bench(shapes, R: int = 32, iters: int = 50, warmup: int = 10, quie
         for name, fn in paths.items():
             with torch.no_grad():
                 err = rel_err(fn(), ref)
-                t = time_cuda(fn, warmup=warmup, iters=iters)
+                timing = "graph" if graph else "eager"
+                try:
+                    t = time_cuda(fn, warmup=warmup, iters=iters, graph=graph)
+                except RuntimeError:
+                    if not graph: raise
+                    torch.cuda.synchronize()
+                    timing, t = "eager", time_cuda(fn, warmup=warmup, iters=iters)
             tf = tflops(M, N, K, t["median_ms"])
-            rows.append(dict(method=name, M=M, N=N, K=K, R=R, **t, tflops=tf, mfu=mfu(tf, gpu), rel_err=err))
-            if not quiet: print(f"{M}x{K}->{N} R={R} {name}: {t['median_ms']:.3f} ms, {tf:.0f} TFLOP/s, rel_err {err:.1e}", flush=True)
+            rows.append(dict(method=name, M=M, N=N, K=K, R=R, **t, tflops=tf, mfu=mfu(tf, gpu), rel_err=err, timing=timing))
+            if not quiet: print(f"{M}x{K}->{N} R={R} {name} ({timing}): {t['median_ms']:.3f} ms, {tf:.0f} TFLOP/s, rel_err {err:.1e}", flush=True)
         del paths, ref
         torch.cuda.empty_cache()
     return rows
@@ -295,7 +303,8 @@ def add_arguments(p) -> None:
     p.add_argument("--shapes", choices=("m4352", "m256", "all"), default="all", help="M=4352, M=256 or both, at the benchmark (K, N)")
     p.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32)")
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--out", default=None, help="record path (default: nbs/data/layer_<gpu>.json)")
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays: GPU time without the per-call host work")
+    p.add_argument("--out", default=None, help="record path (default: nbs/data/layer_<gpu>.json, or layer_<gpu>_graph.json)")
 
 def run(args) -> int:
     "Measure on an sm_90 GPU and save a record; elsewhere print the recorded one."
@@ -309,10 +318,12 @@ def run(args) -> int:
         return 0
     ms = {"m4352": (4352,), "m256": (256,), "all": (4352, 256)}[args.shapes]
     shapes = [(M, K, N) for M in ms for K, N in LAYER_KN]
-    rows = run_layer_bench(shapes, args.rank, args.iters)
+    graph = getattr(args, "graph", False)
+    rows = run_layer_bench(shapes, args.rank, args.iters, graph=graph)
     print(layer_table(rows))
     gpu = torch.cuda.get_device_name()
-    path = args.out or data_dir() / f"layer_{gpu_key(gpu).lower().replace(' ', '-')}.json"
-    cmd = f"w4a4-book bench-layer --shapes {args.shapes} --rank {args.rank} --iters {args.iters}"
-    print(f"saved {save_record(path, provenance(cmd, [list(s) for s in shapes], kind='layer', rank=args.rank), rows)}")
+    path = args.out or data_dir() / f"layer_{gpu_key(gpu).lower().replace(' ', '-')}{'_graph' if graph else ''}.json"
+    cmd = f"w4a4-book bench-layer --shapes {args.shapes} --rank {args.rank} --iters {args.iters}" + (" --graph" if graph else "")
+    prov = provenance(cmd, [list(s) for s in shapes], kind="layer", rank=args.rank, timing="cuda_graph" if graph else "eager")
+    print(f"saved {save_record(path, prov, rows)}")
     return 0
