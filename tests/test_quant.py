@@ -78,3 +78,11 @@ def test_exact_against_quantize(M, K, R, dt, smooth):
         assert ((lora_act.float() - want).abs() <= bound).all()
     else:
         assert lora_act is None
+
+
+def test_k_splits_fill_the_gpu():
+    "Enough shares of K for two CTAs per SM, each share a whole number of K-blocks; one share when rows suffice."
+    assert quant.k_splits(68, 60, 132) == 4        # M=4352: 272 CTAs
+    assert quant.k_splits(4, 240, 132) == 80       # M=256, K=15360: 66 wanted, 80 is the next divisor
+    assert quant.k_splits(1, 2, 132) == 2          # K shorter than wanted: every K-block its own CTA
+    assert quant.k_splits(300, 60, 132) == 1

@@ -17,8 +17,8 @@ from .reference import LORA_RANK_MULTIPLE, w4a4_gemm_ref
 
 # %% auto #0
 __all__ = ['SMOOTH_ALPHA', 'BACKENDS', 'KERNEL_VERSIONS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'SM90_CAPABILITY', 'SM90_K_MULTIPLE',
-           'SM90_N_MULTIPLE', 'SM90_MAX_RANK', 'LAYER_PATHS', 'smooth_factors', 'low_rank', 'W4A4Linear', 'layer_paths',
-           'run_layer_bench', 'layer_table', 'add_arguments', 'run']
+           'SM90_N_MULTIPLE', 'SM90_MAX_RANK', 'LAYER_PATHS', 'EAGER_ONLY', 'smooth_factors', 'low_rank', 'W4A4Linear',
+           'layer_paths', 'run_layer_bench', 'layer_table', 'add_arguments', 'run']
 
 # %% ../nbs/08_layer.ipynb #f9cd34a0
 SMOOTH_ALPHA = 0.5   # migration strength of SmoothQuant (Xiao et al., 2023), also SVDQuant's default
@@ -223,6 +223,8 @@ def forward(self: W4A4Linear, x: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/08_layer.ipynb #7cb7f5b6
 LAYER_PATHS = ("torch_bf16", "torch_fp8", "w4a4", "w4a4_torch_quant")
+# paths that cannot be captured in a CUDA graph (a failed capture leaves the process unusable, so none is tried)
+EAGER_ONLY = {"w4a4_torch_quant": "formats.quantize checks finiteness on the host, a synchronisation"}
 
 def layer_paths(M: int, K: int, N: int, R: int = 32, seed: int = 0) -> tuple:
     "`({path: callable}, fp32 reference)` for one `M×K → N` layer with a rank-`R` branch, built on the current GPU."
@@ -259,8 +261,7 @@ def layer_paths(M: int, K: int, N: int, R: int = 32, seed: int = 0) -> tuple:
 
 def run_layer_bench(shapes, R: int = 32, iters: int = 50, warmup: int = 10, quiet: bool = False, graph: bool = False) -> list:
     """Time every path of `layer_paths` on every `(M, K, N)`; one row per pair, with TFLOP/s of 2·M·N·K and `rel_err`.
-    With `graph` each path is timed as a CUDA-graph replay (`timing` "graph"), or eagerly ("eager") if it cannot be
-    captured; `torch_quant`'s finiteness check synchronises, for one."""
+    With `graph` each path is timed as a CUDA-graph replay (`timing` "graph"), except those of `EAGER_ONLY`."""
     from w4a4_book.bench import time_cuda, tflops, mfu, rel_err
     gpu, rows = torch.cuda.get_device_name(), []
     for M, K, N in shapes:
@@ -268,13 +269,8 @@ def run_layer_bench(shapes, R: int = 32, iters: int = 50, warmup: int = 10, quie
         for name, fn in paths.items():
             with torch.no_grad():
                 err = rel_err(fn(), ref)
-                timing = "graph" if graph else "eager"
-                try:
-                    t = time_cuda(fn, warmup=warmup, iters=iters, graph=graph)
-                except RuntimeError:
-                    if not graph: raise
-                    torch.cuda.synchronize()
-                    timing, t = "eager", time_cuda(fn, warmup=warmup, iters=iters)
+                timing = "graph" if graph and name not in EAGER_ONLY else "eager"
+                t = time_cuda(fn, warmup=warmup, iters=iters, graph=timing == "graph")
             tf = tflops(M, N, K, t["median_ms"])
             rows.append(dict(method=name, M=M, N=N, K=K, R=R, **t, tflops=tf, mfu=mfu(tf, gpu), rel_err=err, timing=timing))
             if not quiet: print(f"{M}x{K}->{N} R={R} {name} ({timing}): {t['median_ms']:.3f} ms, {tf:.0f} TFLOP/s, rel_err {err:.1e}", flush=True)
