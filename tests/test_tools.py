@@ -39,10 +39,20 @@ def test_source_samples_by_role():
     ins = ncu_stalls.parse_source(SOURCE)
     assert [i["Address"] for i in ins] == ["0x10", "0x20", "0x30", "0x40", "0x50", "0x60", "0x70"]
     assert ins[-1]["Instructions Executed"] == 1600.0
-    roles = ncu_stalls.by_role(ins, k_blocks_per_cta=10, ctas=2)
+    roles = ncu_stalls.by_role(ins, k_blocks_per_cta=10, ctas=2, roles_by_regs={24: ("load", 4), 224: ("mma", 8)})
     assert set(roles) == {"setup", "load", "mma"}
     assert roles["load"]["samples (% of all)"] == 50.0 and roles["mma"]["samples (% of all)"] == 40.0
     assert roles["load"]["waiting on an mbarrier (%)"] == 100.0 and roles["mma"]["waiting on an mbarrier (%)"] == 0.0
     assert roles["load"]["stall: long_sb (%)"] == 80.0
     assert roles["mma"]["instructions per warp per K-block"] == 1608 / (2 * 8 * 10)
     assert "stall: long_sb (Not Issued) (%)" not in roles["mma"]
+
+
+def test_roles_come_from_the_kernel():
+    "v2's role names and warp counts are its WarpRoles'; v1 is one role of all its warps."
+    from w4a4_book.sm90 import Problem, build_kernel
+    v2, _ = build_kernel("v2", Problem(256, 256, 256, 16))
+    v1, _ = build_kernel("v1", Problem(256, 256, 256, 16))
+    r = v2.roles
+    assert ncu_stalls.kernel_roles(v2) == {r.load_regs: ("load", 4), r.decode_regs: ("decode", 4), r.mma_regs: ("mma", 8)}
+    assert ncu_stalls.kernel_roles(v1) == {None: ("all", 8)}

@@ -6,7 +6,8 @@
 With `--roles` the record holds, per warp role, where that role's warps were sampled (ncu's per-instruction
 warp-state samples, from the source page) and how many instructions each of its warps executes per K-block.
 A role is the code between two `setmaxnreg` instructions, named by the register count it sets (v2's
-`WarpRoles`); code before the first is `setup`, and a kernel without `setmaxnreg` (v1) is one role, `all`.
+`WarpRoles` says which); code before the first is `setup`, and a kernel without `setmaxnreg` (v1) is one role,
+`all`.
 
 Needs an sm_90 GPU and `ncu` on the PATH. The kernel is launched a few times to warm up; ncu profiles the
 last launch with the sections below (it replays the kernel once per counter pass). The record keeps every
@@ -46,9 +47,6 @@ def parse(text):
         out.setdefault(r["Section Name"], {})[name] = value
     return out, rows[0]["Kernel Name"] if rows else None
 
-ROLE_REGS = {24: "load", 40: "decode", 224: "mma"}   # v2's WarpRoles: setmaxnreg count -> role
-ROLE_WARPS = {"load": 4, "decode": 4, "mma": 8, "all": 8}   # warps per CTA running each role's code
-
 def parse_source(text):
     "ncu's `--page source --csv --print-source sass` as a list of per-instruction dicts (numbers as floats)."
     lines = text[text.index('"Address"'):]
@@ -68,17 +66,25 @@ def _regs(src):
     if "USETMAXREG" not in src: return None
     return int(src.split(",")[-1].split()[-1].rstrip(";"), 16)
 
-def by_role(instrs, k_blocks_per_cta, ctas):
-    """Attribute per-instruction samples to warp roles. Returns {role: {metric: value}}: the role's share of all
-    samples, instructions per warp per K-block, the share of its samples spent waiting on an mbarrier (the try-wait,
-    its back-off sleep and the retry branch), and its samples by stall reason (each % of the role's samples)."""
-    role, roles = ("setup" if any(_regs(i["Source"]) for i in instrs) else "all"), {}
+def kernel_roles(kernel):
+    "`{setmaxnreg count: (role, warps)}` of a v2 kernel object (its `WarpRoles`), or `{None: ('all', warps)}` for v1."
+    r = getattr(kernel, "roles", None)
+    if r is None: return {None: ("all", kernel.threads // 32)}
+    return {r.load_regs: ("load", 4), r.decode_regs: ("decode", len(r.decode_warps)), r.mma_regs: ("mma", len(r.mma_warps))}
+
+def by_role(instrs, k_blocks_per_cta, ctas, roles_by_regs):
+    """Attribute per-instruction samples to warp roles (`roles_by_regs` as from `kernel_roles`). Returns
+    {role: {metric: value}}: the role's share of all samples, instructions per warp per K-block, the share of its
+    samples spent waiting on an mbarrier (the try-wait, its back-off sleep and the retry branch), and its samples
+    by stall reason (each % of the role's samples)."""
+    warps = dict(roles_by_regs.values())
+    role, roles = ("setup" if any(_regs(i["Source"]) for i in instrs) else roles_by_regs[None][0]), {}
     stall_keys = [k for k in instrs[0] if k.startswith("stall_") and "Not Issued" not in k]
     prev = ""
     for i in instrs:
         r = _regs(i["Source"])
         if r is not None:
-            role = ROLE_REGS.get(r, f"regs{r}")
+            role = roles_by_regs[r][0] if r in roles_by_regs else f"regs{r}"
         d = roles.setdefault(role, {"samples": 0.0, "executed": 0.0, "mbarrier": 0.0, **{k: 0.0 for k in stall_keys}})
         n = i.get("Warp Stall Sampling (All Samples)") or 0.0
         d["samples"] += n
@@ -94,7 +100,7 @@ def by_role(instrs, k_blocks_per_cta, ctas):
     for role, d in roles.items():
         s = d["samples"] or 1.0
         m = {"samples (% of all)": 100 * d["samples"] / total,
-             "instructions per warp per K-block": d["executed"] / (ctas * ROLE_WARPS.get(role, 1) * k_blocks_per_cta),
+             "instructions per warp per K-block": d["executed"] / (ctas * warps.get(role, 1) * k_blocks_per_cta),
              "waiting on an mbarrier (%)": 100 * d["mbarrier"] / s}
         m.update({f"stall: {k[6:]} (%)": 100 * d[k] / s for k in stall_keys})
         out[role] = m
@@ -111,11 +117,8 @@ def main(argv=None):
     if a.child:
         return child(a.version, a.shape)
     def profile(extra):
-        cmd = ["ncu", "--csv", "--page", "details", "--kernel-name", "regex:kernel_cutlass_kernel_w4a4",
-               "--launch-skip", str(WARMUP), "--launch-count", "1", *[x for s in SECTIONS for x in ("--section", s)],
-               *extra,
-               sys.executable, __file__, "--child", "--version", a.version, "--shape", *map(str, a.shape), "--out", "-"]
-        return subprocess.run(cmd, capture_output=True, text=True)
+        return subprocess.run(ncu_command(a, "--csv", "--page", "details", *[x for s in SECTIONS for x in ("--section", s)],
+                                          *extra), capture_output=True, text=True)
     if a.roles:
         return roles_main(a)
     res = profile(DETAILS)
@@ -134,15 +137,18 @@ def main(argv=None):
     rows = [dict(section=s, metric=m, value=v) for s, d in metrics.items() for m, v in d.items()]
     print(f"saved {save_record(a.out, prov, rows)}")
 
+def ncu_command(a, *options):
+    "ncu with `options`, profiling the last of this script's child launches for `a.version` and `a.shape`."
+    return ["ncu", "--kernel-name", "regex:kernel_cutlass_kernel_w4a4", "--launch-skip", str(WARMUP), "--launch-count", "1",
+            *options, sys.executable, __file__, "--child", "--version", a.version, "--shape", *map(str, a.shape), "--out", "-"]
+
 def roles_main(a):
     "`--roles`: profile with source counters, attribute them to roles, save the record."
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         rep = os.path.join(d, "rep")
-        cmd = ["ncu", "--kernel-name", "regex:kernel_cutlass_kernel_w4a4", "--launch-skip", str(WARMUP), "--launch-count", "1",
-               "--section", "SourceCounters", "--section", "WarpStateStats", "-f", "-o", rep,
-               sys.executable, __file__, "--child", "--version", a.version, "--shape", *map(str, a.shape), "--out", "-"]
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        res = subprocess.run(ncu_command(a, "--section", "SourceCounters", "--section", "WarpStateStats", "-f", "-o", rep),
+                             capture_output=True, text=True)
         if res.returncode:
             sys.exit(f"ncu failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
         src = subprocess.run(["ncu", "-i", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
@@ -155,7 +161,7 @@ def roles_main(a):
     tiles = -(-M // kern.bm) * (N // kern.bn)
     ctas = min(tiles, getattr(kern, "num_sms", tiles))                # v2 is persistent; v1 runs one CTA per tile
     k_blocks = tiles * (K // kern.bk) / ctas
-    roles = by_role(parse_source(src), k_blocks, ctas)
+    roles = by_role(parse_source(src), k_blocks, ctas, kernel_roles(kern))
     ncu_version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     command = "python tools/ncu_stalls.py " + shlex.join(["--roles", "--version", a.version, "--shape", *map(str, a.shape), "--out", str(a.out)])
     prov = provenance(command, [a.shape], kind="ncu-roles", version=a.version, ncu=ncu_version,

@@ -314,7 +314,7 @@ def run(args) -> int:
         return 0
     ms = {"m4352": (4352,), "m256": (256,), "all": (4352, 256)}[args.shapes]
     shapes = [(M, K, N) for M in ms for K, N in LAYER_KN]
-    graph = getattr(args, "graph", False)
+    graph = args.graph
     rows = run_layer_bench(shapes, args.rank, args.iters, graph=graph)
     print(layer_table(rows))
     gpu = torch.cuda.get_device_name()

@@ -7,6 +7,7 @@ __all__ = ['G', 'INT4_MAX', 'div_rn', 'round_even_i32', 'QuantLoraDown', 'check_
            'compile_quant']
 
 # %% ../nbs/08a_quant.ipynb #4256630b
+import functools
 import torch
 import cutlass
 import cutlass.cute as cute
@@ -220,6 +221,11 @@ def check_quant_inputs(x, smooth=None, lora_down_t=None, need_gpu=True):
 
 _compiled = {}
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    "The GPU's SM count, asked once per device rather than on every call."
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
 def k_splits(m_tiles, k_blocks, num_sms):
     "Shares of K per row tile: the fewest that divide `k_blocks` and give at least two CTAs per SM (or all of K)."
     want = -(-2 * num_sms // m_tiles)
@@ -233,7 +239,7 @@ def quantize_lora_down(x, smooth=None, lora_down_t=None, *, stages=4):
     dev = x.device
     data = torch.empty(M, K // 2, dtype=torch.uint8, device=dev)
     scales = torch.empty(K // G, M, dtype=x.dtype, device=dev)
-    ks = k_splits(-(-M // QuantLoraDown.tile_m), K // G, torch.cuda.get_device_properties(dev).multi_processor_count)
+    ks = k_splits(-(-M // QuantLoraDown.tile_m), K // G, _sm_count(dev.index))
     partial = torch.empty(ks, M, max(R, 16), dtype=torch.float32, device=dev)
     sm = smooth if smooth is not None else x.new_ones(K)
     ldt = lora_down_t if lora_down_t is not None else x.new_zeros(16, K)
