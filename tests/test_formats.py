@@ -230,3 +230,265 @@ def test_empty_rows_and_to():
         q = quantize(torch.zeros(0, 128), fmt)
         assert q.shape == (0, 128) and dequantize(q).shape == (0, 128)
         assert q.to("cpu").shape == q.shape and q.to("cpu").fmt == fmt
+
+
+# ---------------------------------------------------------------------------------------------
+# int4_pg and int8: the integer formats
+
+import dataclasses
+
+import numpy as np
+
+from w4a4_book.formats import (FORMATS, INT_MAX_ABS, PG_GROUP, QFORMATS, check_fmt, to_int4_pg)
+
+
+def scalar_int4_pg(x):
+    "The int4_pg rule written again in numpy float32, step by step: (codes int [rows, K], u [rows, K/64], base [rows])."
+    f = np.float32
+    x = x.numpy().astype(f)
+    rows, K = x.shape
+    G = K // PG_GROUP
+    amax = np.abs(x).reshape(rows, G, PG_GROUP).max(-1) if G else np.zeros((rows, 0), f)
+    s = (amax / f(7)).astype(f)
+    base = (s.max(1) if G else np.zeros(rows, f)) / f(15)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        u = np.where(base[:, None] > 0, np.clip(np.rint(s / base[:, None]), 1, 15), 1).astype(f)
+        scale = (base[:, None] * u).astype(f)
+        t = (x.reshape(rows, G, PG_GROUP) / scale[..., None]).astype(f)
+        q = np.where(scale[..., None] > 0, np.clip(np.rint(t), -8, 7), 0)
+    return q.reshape(rows, K).astype(np.int64), u.astype(np.int64), base
+
+
+def scalar_int8(x):
+    f = np.float32
+    x = x.numpy().astype(f)
+    amax = np.abs(x).max(1) if x.shape[1] else np.zeros(x.shape[0], f)
+    base = (amax / f(127)).astype(f)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(base[:, None] > 0, np.clip(np.rint((x / base[:, None]).astype(f)), -127, 127), 0)
+    return q.astype(np.int64), base
+
+
+def test_check_fmt_allowed():
+    assert FORMATS == ("int4", "nvfp4") and QFORMATS == ("int4", "nvfp4", "int4_pg", "int8")
+    assert check_fmt("int8", QFORMATS) == "int8"
+    with pytest.raises(ValueError, match="fmt='int4_pg' is not accepted here"):
+        check_fmt("int4_pg")
+    with pytest.raises(ValueError, match="fmt='int5' is not a known format"):
+        check_fmt("int5", QFORMATS)
+    assert GROUP_SIZE == {"int4": 64, "nvfp4": 16}                 # what chapters 3-11 key on, unchanged
+
+
+def test_int4_pg_hand_checked():
+    x = torch.zeros(3, 256)
+    x[0, :4] = torch.tensor([105.0, -37.5, 52.5, 7.5])     # s = 15: base = 1, u = 15; ties -2.5 -> -2, 3.5 -> 4, 0.5 -> 0
+    x[0, 64:66] = torch.tensor([17.5, -17.5])              # s = 2.5 -> u = 2 (tie down): 8.75 clamps to 7 and -8
+    x[0, 128] = 24.5                                       # s = 3.5 -> u = 4 (tie up)
+    x[0, 192] = 2.1                                        # s = 0.3 -> round to 0 -> u = 1
+    x[2, :64] = -3.0                                       # all-equal single group, other groups zero
+    q = quantize(x, "int4_pg")
+    assert q.base.tolist() == [1.0, 0.0, (torch.tensor(3.0) / 7 / 15).item()]
+    assert q.scales.tolist() == [[15, 1, 15], [2, 1, 1], [4, 1, 1], [1, 1, 1]]
+    c = unpack_int4(q.data)
+    assert c[0, :4].tolist() == [7, -2, 4, 0] and c[0, 64:66].tolist() == [7, -8]
+    assert c[0, 128].item() == 6 and c[0, 192].item() == 2
+    assert c[1].abs().sum().item() == 0 and c[2, :64].unique().tolist() == [-7]
+    assert dequantize(q)[0, 64:66].tolist() == [14.0, -16.0]
+    assert (q.packing, q.group_size, q.scales.dtype, q.base.dtype) == ("nibbles", 64, torch.uint8, torch.float32)
+
+
+def test_int4_pg_emits_minus_eight():
+    "Groups whose small u rounds down clamp; with group magnitudes spread over a row some do, and -8 appears."
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 1024, generator=g) * torch.exp(torch.randn(64, 16, 1, generator=g)).repeat_interleave(64, 1)[..., 0]
+    assert unpack_int4(quantize(x, "int4_pg").data).min().item() == -8
+
+
+def test_int8_hand_checked():
+    x = torch.tensor([[127.0, -63.5, 0.5, 1.5, -2.0, 2.5], [0.0] * 6, [-1e-3] + [0.0] * 5])
+    q = quantize(x, "int8")
+    assert q.base[:2].tolist() == [1.0, 0.0] and q.base[2].item() == (torch.tensor(1e-3) / 127).item()
+    assert q.data.tolist() == [[127, -64, 0, 2, -2, 2], [0] * 6, [-127] + [0] * 5]
+    assert (q.packing, q.scales, q.data.dtype, q.group_size) == ("int8", None, torch.int8, 6)
+    assert dequantize(q)[0].tolist() == [127.0, -64.0, 0.0, 2.0, -2.0, 2.0]
+
+
+def test_zero_empty_and_to():
+    for fmt in ("int4_pg", "int8"):
+        z = quantize(torch.zeros(2, 128), fmt)
+        assert z.base.tolist() == [0.0, 0.0] and z.as_int8().data.abs().sum().item() == 0
+        assert torch.equal(dequantize(z), torch.zeros(2, 128))
+        for shape in ((0, 128), (3, 0)):
+            e = quantize(torch.zeros(shape), fmt)
+            assert e.shape == shape and dequantize(e).shape == shape and e.base.shape == (shape[0],)
+        m = z.to("cpu")
+        assert m.fmt == fmt and torch.equal(m.base, z.base) and m.packing == z.packing
+    assert quantize(torch.zeros(2, 128), "int4_pg").scales.unique().tolist() == [1]
+
+
+def test_frozen():
+    q = quantize(torch.randn(2, 64), "int4_pg")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        q.base = torch.ones(2)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_int4_pg_matches_scalar_rule(data):
+    x = data.draw(matrices("int4"))
+    q = quantize(x, "int4_pg")
+    codes, u, base = scalar_int4_pg(x)
+    assert np.array_equal(q.base.numpy(), base)
+    assert np.array_equal(q.scales.T.long().numpy(), u)
+    assert np.array_equal(unpack_int4(q.data).long().numpy(), codes)
+    assert np.array_equal(q.as_int8().data.long().numpy(), codes * np.repeat(u, PG_GROUP, 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_int8_matches_scalar_rule_and_half_step(data):
+    x = data.draw(matrices("int4"))
+    q = quantize(x, "int8")
+    codes, base = scalar_int8(x)
+    assert np.array_equal(q.base.numpy(), base) and np.array_equal(q.data.long().numpy(), codes)
+    err = (x.double() - dequantize(q).double()).abs()
+    b = q.base.double()[:, None]
+    normal = (b >= torch.finfo(torch.float32).tiny).expand_as(err)
+    assert (err[normal] <= (b * (0.5 + 2**-21) + x.double().abs() * 2**-23).expand_as(err)[normal]).all()
+    amax = x.double().abs().amax(1, keepdim=True) if x.shape[1] else b
+    assert (err <= torch.maximum(b / 2, amax - 127 * b) * (1 + 2**-20) + 2**-140).all()
+
+
+def check_int4_pg_bound(x):
+    G = PG_GROUP
+    q = quantize(x, "int4_pg")
+    err = group_view((x.double() - dequantize(q).double()).abs(), G)
+    scale = (q.base.double()[:, None] * q.scales.double().T).unsqueeze(-1)
+    ax = group_view(x.double().abs(), G)
+    amax = ax.amax(-1, keepdim=True)
+    slack = ax * 2**-22 + 2**-140
+    # every element: half a step, or (clamped) what lies beyond 7 steps
+    assert (err <= torch.maximum(scale * (0.5 + 2**-19), amax - 7 * scale * (1 - 2**-20)) + slack).all()
+    # unclamped elements (-8.5 <= t <= 7.5, with some margin) are within half a step
+    t = group_view(x.double(), G) / scale
+    inside = (t < 7.5 * (1 - 2**-20)) & (t > -8.5 * (1 - 2**-20)) & (scale >= 2**-126)
+    assert (err[inside] <= (scale * (0.5 + 2**-19)).expand_as(err)[inside] + slack[inside]).all()
+    # a group whose u did not round down holds no clamped element (normal steps)
+    s = (group_view(x.abs(), G).amax(-1) / 7).double().unsqueeze(-1)            # float32 s, as the rule computes it
+    up = ((scale >= s) & (s >= 2**-126)).expand_as(err)
+    assert (err[up] <= (scale * (0.5 + 2**-19)).expand_as(err)[up] + slack[up]).all()
+    # clamped error is at most 3.5 base (rows with a normal base)
+    base = q.base.double()[:, None, None].expand_as(err)
+    normal = base >= 2**-126
+    bound = torch.maximum(scale * (0.5 + 2**-19), 3.5 * base * (1 + 2**-18)).expand_as(err) + slack
+    assert (err[normal] <= bound[normal]).all()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_int4_pg_half_step_bound(data):
+    check_int4_pg_bound(data.draw(matrices("int4")))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_int4_pg_packings_agree(data):
+    x = data.draw(matrices("int4"))
+    q = quantize(x, "int4_pg")
+    q8 = q.as_int8()
+    assert q8.packing == "int8" and q8.data.dtype == torch.int8 and q8.shape == q.shape
+    assert torch.equal(q8.data.long(), unpack_int4(q.data).long() * q.scales.T.long().repeat_interleave(PG_GROUP, 1))
+    assert int(q8.data.abs().max()) <= INT_MAX_ABS["int4_pg"]
+    assert torch.equal(q8.as_nibbles().data, q.data) and q8.as_int8() is q8
+    assert torch.equal(dequantize(q8), dequantize(q))
+    bare = QTensor(q8.data, None, "int4_pg", base=q8.base)
+    assert torch.equal(dequantize(bare), dequantize(q))
+    assert torch.equal(dequantize(q), q8.data.float() * q.base[:, None])        # (q*u)*base, one rounding
+
+
+def test_to_int4_pg_rules():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(32, 512, generator=g) * torch.exp(torch.randn(32, 512, generator=g))
+    for scale_dtype in (torch.float16, torch.bfloat16):
+        q4 = quantize(w, "int4", scale_dtype)
+        req, keep = to_int4_pg(q4), to_int4_pg(q4, "keep_codes")
+        assert req.fmt == keep.fmt == "int4_pg" and req.packing == keep.packing == "nibbles"
+        assert torch.equal(req.base, keep.base) and torch.equal(req.scales, keep.scales)
+        assert torch.equal(keep.data, q4.data)
+        v4 = dequantize(q4)
+        assert ((dequantize(req) - v4).abs() <= (dequantize(keep) - v4).abs() * (1 + 2**-20) + 2**-60).all()
+        assert torch.equal(req.data, quantize(v4, "int4_pg").data)
+    pg = quantize(w, "int4_pg")
+    assert to_int4_pg(pg) is pg and torch.equal(to_int4_pg(pg.as_int8()).data, pg.data)
+
+
+def test_int_qtensor_validation():
+    q = quantize(torch.randn(4, 128), "int4_pg")
+    q8, i8 = q.as_int8(), quantize(torch.randn(4, 128), "int8")
+    base = q.base
+    bad = [
+        (lambda: QTensor(q.data, q.scales, "int4_pg"), TypeError, "base must be a torch.float32 tensor"),
+        (lambda: QTensor(q.data, q.scales, "int4_pg", base=base.double()), TypeError, "base must have dtype torch.float32"),
+        (lambda: QTensor(q.data, q.scales, "int4_pg", base=base[:2]), ValueError, r"base must have shape \(4,\)"),
+        (lambda: QTensor(q.data, q.scales, "int4_pg", base=torch.ones(4, 2)[:, 0]), ValueError, "base must be contiguous"),
+        (lambda: QTensor(q.data, q.scales, "int4_pg", base=-base - 1), ValueError, "base must be finite and >= 0"),
+        (lambda: QTensor(q.data, q.scales, "int4_pg", base=base + float("nan")), ValueError, "base must be finite"),
+        (lambda: QTensor(q.data, q.scales, "int4_pg", base=torch.ones(4, device="meta")), ValueError,
+         "base is on meta but data is on cpu"),
+        (lambda: QTensor(q.data, torch.zeros_like(q.scales), "int4_pg", base=base), ValueError, r"must lie in \[1, 15\]"),
+        (lambda: QTensor(q.data, q.scales + 15, "int4_pg", base=base), ValueError, r"must lie in \[1, 15\]"),
+        (lambda: QTensor(q.data, q.scales.to(torch.int8), "int4_pg", base=base), TypeError, "scales must have dtype torch.uint8"),
+        (lambda: QTensor(q.data, q.scales.T.contiguous(), "int4_pg", base=base), ValueError, r"scales must have shape \(2, 4\)"),
+        (lambda: QTensor(q.data, torch.ones(2, 8, dtype=torch.uint8)[:, ::2], "int4_pg", base=base), ValueError,
+         "scales must be contiguous"),
+        (lambda: QTensor(q.data, torch.ones(2, 4, dtype=torch.uint8, device="meta"), "int4_pg", base=base), ValueError,
+         "scales is on meta"),
+        (lambda: QTensor(q.data, None, "int4_pg", base=base), TypeError, "scales .* must be given for int4_pg in nibbles"),
+        (lambda: QTensor(q.data, q.scales, "int4_pg", torch.tensor(1.0), base), ValueError, "global_scale must be None"),
+        (lambda: QTensor(q.data.to(torch.int16), q.scales, "int4_pg", base=base), TypeError, "data must have dtype in"),
+        (lambda: QTensor(q.data[:, :40].contiguous(), q.scales, "int4_pg", base=base), ValueError, "K=80 codes per row"),
+        (lambda: QTensor(q.data.T.contiguous().T, q.scales, "int4_pg", base=base), ValueError, "data must be contiguous"),
+        (lambda: QTensor(q.data[0], q.scales, "int4_pg", base=base), ValueError, "data must be 2-D"),
+        (lambda: QTensor(q.data.numpy(), q.scales, "int4_pg", base=base), TypeError, "data must be a torch.Tensor"),
+        (lambda: QTensor(torch.full_like(q8.data, 121), None, "int4_pg", base=base), ValueError, r"\[-120, 120\]"),
+        (lambda: QTensor(torch.full_like(q8.data, -121), None, "int4_pg", base=base), ValueError, r"\[-120, 120\]"),
+        (lambda: QTensor(q8.data + 1, q8.scales, "int4_pg", base=base), ValueError, "data must be q\\*u"),
+        (lambda: QTensor(torch.full_like(q8.data, 120), torch.full_like(q.scales, 1), "int4_pg", base=base), ValueError,
+         "data must be q\\*u"),
+        (lambda: QTensor(i8.data, q.scales, "int8", base=i8.base), ValueError, "scales must be None for int8"),
+        (lambda: QTensor(i8.data.to(torch.uint8), None, "int8", base=i8.base), TypeError, "data must have dtype in"),
+        (lambda: QTensor(torch.full_like(i8.data, -128), None, "int8", base=i8.base), ValueError, r"\[-127, 127\]"),
+        (lambda: QTensor(i8.data, None, "int8"), TypeError, "base must be a torch.float32 tensor"),
+        (lambda: QTensor(q.data, q.scales.half(), "int4", base=base), ValueError, "base must be None for int4"),
+        (lambda: QTensor(q.data, q.scales, "int5", base=base), ValueError, "fmt='int5'"),
+    ]
+    for call, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            call()
+    QTensor(torch.full_like(q8.data, -120), torch.full_like(q.scales, 15), "int4_pg", base=base)   # the extremes are fine
+    QTensor(torch.full_like(i8.data, -127), None, "int8", base=i8.base)
+    meta = QTensor(torch.zeros(4, 64, dtype=torch.uint8, device="meta"), torch.ones(2, 4, dtype=torch.uint8, device="meta"),
+                   "int4_pg", base=torch.ones(4, device="meta"))
+    assert meta.shape == (4, 128) and meta.device.type == "meta"
+
+
+@pytest.mark.parametrize("call,exc,msg", [
+    (lambda x: quantize(x, "int4_pg", torch.float16), ValueError, "scale_dtype=torch.float16 is not allowed for int4_pg"),
+    (lambda x: quantize(x, "int8", torch.bfloat16), ValueError, "is not allowed for int8"),
+    (lambda x: quantize(x[:, :96], "int4_pg"), ValueError, "K=96, not a multiple of the int4_pg group size 64"),
+    (lambda x: quantize(x.int(), "int8"), TypeError, "x must have dtype"),
+    (lambda x: quantize(x[0], "int4_pg"), ValueError, "x must be 2-D"),
+    (lambda x: quantize(x * float("inf"), "int4_pg"), ValueError, "x must be finite"),
+    (lambda x: dequantize(quantize(x, "int4_pg"), "int8"), ValueError, "does not match q.fmt"),
+    (lambda x: quantize(x, "int4").as_int8(), ValueError, "as_int8 needs an int4_pg or int8 QTensor"),
+    (lambda x: quantize(x, "int8").as_nibbles(), ValueError, "as_nibbles needs an int4_pg QTensor"),
+    (lambda x: QTensor(quantize(x, "int4_pg").as_int8().data, None, "int4_pg", base=torch.ones(3)).as_nibbles(),
+     ValueError, "as_nibbles needs scales"),
+    (lambda x: to_int4_pg(x), TypeError, "q must be a QTensor"),
+    (lambda x: to_int4_pg(quantize(x, "int4"), "nearest"), ValueError, "rule='nearest' must be one of"),
+    (lambda x: to_int4_pg(quantize(x, "int4"), None), ValueError, "rule=None must be one of"),
+    (lambda x: to_int4_pg(quantize(x, "int8")), ValueError, "q.fmt='int8': to_int4_pg converts int4"),
+])
+def test_int_bad_input(call, exc, msg):
+    with pytest.raises(exc, match=msg):
+        call(torch.randn(3, 128))

@@ -10,9 +10,36 @@ from typing import Optional
 import torch
 
 from .formats import QTensor, check_fmt, decode_table, dequantize, unpack_nibbles
+from .formats import INT_FORMATS, INT_MAX_ABS, QFORMATS
 
 # %% auto #0
-__all__ = ['LORA_RANK_MULTIPLE', 'EPILOGUE_DTYPES', 'check_operands', 'w4a4_gemm_ref', 'w4a4_gemm_dequant']
+__all__ = ['OPERAND_PAIRS', 'INT32_SUM_LIMIT', 'LORA_RANK_MULTIPLE', 'EPILOGUE_DTYPES', 'int32_k_limit', 'check_int32_sum',
+           'check_operands', 'int_accumulator', 'w4a4_gemm_ref', 'w4a4_gemm_dequant', 'w4a4_gemm_exact']
+
+# %% ../nbs/02_reference.ipynb #5f3de0cd
+OPERAND_PAIRS = (("int4", "int4"), ("nvfp4", "nvfp4"), ("int4_pg", "int4_pg"), ("int8", "int4_pg"))   # (act, wgt)
+INT32_SUM_LIMIT = 2**31   # an INT8 wgmma's accumulator is int32, and .satfinite saturates silently beyond it
+
+def int32_k_limit(act_fmt: str, wgt_fmt: str) -> Optional[int]:
+    "Largest K for which `K * max|a| * max|w| < 2^31` for these formats; None for formats summed group by group."
+    for name, f in (("act_fmt", act_fmt), ("wgt_fmt", wgt_fmt)):
+        if not isinstance(f, str) or f not in QFORMATS:
+            raise ValueError(f"{name}={f!r} is not a known format; expected one of {QFORMATS}")
+    if act_fmt not in INT_MAX_ABS or wgt_fmt not in INT_MAX_ABS:
+        return None
+    return (INT32_SUM_LIMIT - 1) // (INT_MAX_ABS[act_fmt] * INT_MAX_ABS[wgt_fmt])
+
+def check_int32_sum(K: int, act_fmt: str, wgt_fmt: str) -> None:
+    "Raise `ValueError` naming `K` when `K * max|a| * max|w| >= 2^31` for integer formats summed over all of K in int32."
+    if isinstance(K, bool) or not isinstance(K, int):
+        raise TypeError(f"K must be an int, not {type(K).__name__}")
+    if K < 0:
+        raise ValueError(f"K={K} must be >= 0")
+    limit = int32_k_limit(act_fmt, wgt_fmt)
+    if limit is not None and K > limit:
+        a, w = INT_MAX_ABS[act_fmt], INT_MAX_ABS[wgt_fmt]
+        raise ValueError(f"K={K} is too long for an exact int32 sum of {act_fmt} x {wgt_fmt} products: K*{a}*{w} = "
+                         f"{K * a * w} >= 2^31, where an INT8 wgmma saturates silently (.satfinite); K <= {limit} is needed")
 
 # %% ../nbs/02_reference.ipynb #10dfe52c
 LORA_RANK_MULTIPLE = 16   # K extent of one 16-bit MMA; the low-rank product is tiled by it
@@ -38,15 +65,19 @@ def check_operands(act: QTensor, wgt: QTensor, lora_act: Optional[torch.Tensor] 
     for name, q in (("act", act), ("wgt", wgt)):
         if not isinstance(q, QTensor):
             raise TypeError(f"{name} must be a QTensor (see formats.quantize), not {type(q).__name__}")
-    if act.fmt != wgt.fmt:
-        raise ValueError(f"act.fmt={act.fmt!r} and wgt.fmt={wgt.fmt!r} differ")
-    if fmt is not None and check_fmt(fmt) != act.fmt:
-        raise ValueError(f"fmt={fmt!r} does not match the operands' format {act.fmt!r}")
+    if (act.fmt, wgt.fmt) not in OPERAND_PAIRS:
+        differ = " differ" if act.fmt != wgt.fmt else ""
+        raise ValueError(f"act.fmt={act.fmt!r} and wgt.fmt={wgt.fmt!r}{differ}: not an allowed (act, wgt) pair; "
+                         f"allowed: {OPERAND_PAIRS}")
+    if fmt is not None and check_fmt(fmt, QFORMATS) != wgt.fmt:
+        whose = "" if act.fmt == wgt.fmt else " (the weights')"
+        raise ValueError(f"fmt={fmt!r} does not match the operands' format {wgt.fmt!r}{whose}")
     if act.k != wgt.k:
         raise ValueError(f"act has K={act.k} but wgt has K={wgt.k}")
     if wgt.device != act.device:
         raise ValueError(f"wgt is on {wgt.device} but act is on {act.device}")
     M, N, K, R = act.rows, wgt.rows, act.k, 0
+    check_int32_sum(K, act.fmt, wgt.fmt)
     if (lora_act is None) != (lora_up is None):
         raise ValueError("lora_act and lora_up must be given together (or both left out)")
     if lora_act is not None:
@@ -86,11 +117,26 @@ def _epilogue(y, lora_act, lora_up, wcscales, bias) -> torch.Tensor:
         y = y + bias.float()
     return y
 
+def _int_sum(act: QTensor, wgt: QTensor) -> torch.Tensor:
+    "The exact `sum_k (q*u)_a (q*u)_w` of integer operands as int64 `[M, N]` (float64 products of integers < 2^53 are exact)."
+    return (act.as_int8().data.double() @ wgt.as_int8().data.double().T).long()
+
+def int_accumulator(act: QTensor, wgt: QTensor) -> torch.Tensor:
+    "The exact integer sums `sum_k (q*u)_a[m, k] (q*u)_w[n, k]`, int64 `[M, N]`, of integer-format operands."
+    check_operands(act, wgt)
+    if act.fmt not in INT_FORMATS:
+        raise ValueError(f"act.fmt={act.fmt!r}: int_accumulator sums integer formats {INT_FORMATS} only")
+    return _int_sum(act, wgt)
+
 def w4a4_gemm_ref(act: QTensor, wgt: QTensor, lora_act: Optional[torch.Tensor] = None,
                   lora_up: Optional[torch.Tensor] = None, wcscales: Optional[torch.Tensor] = None,
                   bias: Optional[torch.Tensor] = None, fmt: Optional[str] = None) -> torch.Tensor:
-    "The W4A4 operator in float32, group by group: `(sum_g sa*sw*(Aq@Wq.T) + lora_act@lora_up.T) * wcscales + bias`."
+    """The W4A4 operator in float32, group by group: `(sum_g sa*sw*(Aq@Wq.T) + lora_act@lora_up.T) * wcscales + bias`;
+    for the integer formats one exact sum over K, scaled by `base_a * base_w`."""
     M, N, K, R = check_operands(act, wgt, lora_act, lora_up, wcscales, bias, fmt)
+    if act.fmt in INT_FORMATS:                                    # one exact sum over K, rounded once, scaled per row/column
+        y = _int_sum(act, wgt).float() * act.base[:, None] * wgt.base[None, :]
+        return _epilogue(y, lora_act, lora_up, wcscales, bias)
     a, w = _group_values(act), _group_values(wgt)                 # [M, K/G, G], [N, K/G, G]
     sa, sw = act.scales.float(), wgt.scales.float()               # [K/G, M], [K/G, N]
     y = torch.zeros(M, N, device=act.device)
@@ -107,3 +153,20 @@ def w4a4_gemm_dequant(act: QTensor, wgt: QTensor, lora_act: Optional[torch.Tenso
     "`w4a4_gemm_ref` computed as `dequantize(act) @ dequantize(wgt).T` plus the same epilogue, in float32."
     check_operands(act, wgt, lora_act, lora_up, wcscales, bias, fmt)
     return _epilogue(dequantize(act) @ dequantize(wgt).T, lora_act, lora_up, wcscales, bias)
+
+# %% ../nbs/02_reference.ipynb #6012e697
+def w4a4_gemm_exact(act: QTensor, wgt: QTensor, lora_act: Optional[torch.Tensor] = None,
+                    lora_up: Optional[torch.Tensor] = None, wcscales: Optional[torch.Tensor] = None,
+                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    "Integer formats only: `(base_a*base_w*sum_k (q*u)_a (q*u)_w + lora_act@lora_up.T) * wcscales + bias`, float64 `[M, N]`."
+    check_operands(act, wgt, lora_act, lora_up, wcscales, bias)
+    if act.fmt not in INT_FORMATS:
+        raise ValueError(f"act.fmt={act.fmt!r}: w4a4_gemm_exact computes the integer pairs (int4_pg or int8 x int4_pg) only")
+    y = _int_sum(act, wgt).double() * act.base.double()[:, None] * wgt.base.double()[None, :]
+    if lora_act is not None:
+        y = y + lora_act.double() @ lora_up.double().T
+    if wcscales is not None:
+        y = y * wcscales.double()
+    if bias is not None:
+        y = y + bias.double()
+    return y
