@@ -1,20 +1,28 @@
-"Tests of the benchmark harness `w4a4_book.bench`: arithmetic, shapes, baselines on CPU, the floor check, and one GPU run."
+"""Tests of the benchmark harness `w4a4_book.bench`: timing arithmetic (`timing`), shapes, workloads, baselines on CPU
+and the method registry (`workloads`), the floor check, tables and README text (`report`), and one GPU run."""
 import argparse
+import ast
 import json
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 
-from w4a4_book import bench
-from w4a4_book.bench import (GPU_PEAKS, LORA_RECORD, METHODS, README_RECORDS, Method, bench_problems, bench_table,
-                             byte_table, check_floors, dequantize_bf16, large_m, lora_line, make_problem, mfu,
-                             mfu_floors, naive_dequant, peak_for, plot_bench, ratio_table, readme_results, readme_table,
-                             record_line, rel_err, speedups, standing, summarize_times, tflops, time_cuda, torch_bf16,
-                             torch_fp8_rowwise)
+from w4a4_book import gemm
+from w4a4_book.bench import report, timing, workloads
+from w4a4_book.bench.report import (LORA_RECORD, README_RECORDS, bench_table, check_floors, large_m, lora_line,
+                                    mfu_floors, plot_bench, ratio_table, readme_results, readme_table, record_line,
+                                    speedups, standing)
+from w4a4_book.bench.timing import GPU_PEAKS, mfu, peak_for, rel_err, summarize_times, tflops, time_cuda
+from w4a4_book.bench.workloads import (DIAGNOSTICS, KERNELS, METHODS, Method, Workload, bench_problems, byte_table,
+                                       dequantize_bf16, kernel_method, make_workload, naive_dequant, torch_bf16,
+                                       torch_fp8_rowwise)
 from w4a4_book.formats import dequantize, quantize
+from w4a4_book.operands import Problem
 from w4a4_book.records import data_dir, load_record, provenance, save_record
 from w4a4_book.reference import w4a4_gemm_ref
+from w4a4_book.smem import HopperV1Config, HopperV2Config
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
 
@@ -94,20 +102,21 @@ def test_time_cuda_validates_before_running():
     assert calls == []
 
 
-def test_make_problem():
-    p = make_problem(64, 32, 128, 16, device="cpu", seed=3)
+def test_make_workload():
+    p = make_workload(64, 32, 128, 16, device="cpu", seed=3)
     assert p.shape == (64, 32, 128, 16)
     assert p.act.shape == (64, 128) and p.wgt.shape == (32, 128)
     assert p.lora_act.dtype == p.lora_up.dtype == p.wcscales.dtype == p.bias.dtype == torch.bfloat16
     assert (p.wcscales > 0).all() and (p.bias != 0).any()
-    q = make_problem(64, 32, 128, 16, device="cpu", seed=3)
+    q = make_workload(64, 32, 128, 16, device="cpu", seed=3)
     assert torch.equal(p.act.data, q.act.data) and torch.equal(p.bias, q.bias)
-    assert not torch.equal(p.bias, make_problem(64, 32, 128, 16, device="cpu", seed=4).bias)
+    assert not torch.equal(p.bias, make_workload(64, 32, 128, 16, device="cpu", seed=4).bias)
+    assert isinstance(p, Workload) and p.problem == Problem(64, 32, 128, 16)   # the operands' Problem, as gemm_w4a4 sees it
     for kwargs, name in [(dict(M=0), "M"), (dict(K=96), "K=96"), (dict(R=8), "R=8"), (dict(fmt="int8"), "fmt"),
                          (dict(out_dtype=torch.float32), "out_dtype")]:
         args = dict(M=64, N=32, K=128, R=16, device="cpu") | kwargs
         with pytest.raises(ValueError, match=name):
-            make_problem(**args)
+            make_workload(**args)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
@@ -122,7 +131,7 @@ def test_dequantize_bf16_matches_dequantize(fmt):
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
 @pytest.mark.parametrize("method", [torch_bf16, naive_dequant])
 def test_cpu_baselines_match_reference(method, fmt):
-    p = make_problem(96, 80, 256, 32, fmt=fmt, device="cpu", seed=1)
+    p = make_workload(96, 80, 256, 32, fmt=fmt, device="cpu", seed=1)
     ref = w4a4_gemm_ref(*p.operands)
     out = method(p)()
     assert out.dtype == torch.bfloat16 and out.shape == (96, 80)
@@ -131,7 +140,7 @@ def test_cpu_baselines_match_reference(method, fmt):
 
 def test_fp8_baseline_needs_cuda_tensors():
     with pytest.raises(RuntimeError, match="device"):
-        torch_fp8_rowwise(make_problem(64, 32, 128, 16, device="cpu"))
+        torch_fp8_rowwise(make_workload(64, 32, 128, 16, device="cpu"))
 
 
 def test_rel_err():
@@ -144,8 +153,74 @@ def test_rel_err():
 
 def test_methods_registry():
     assert list(METHODS)[:3] == ["torch_bf16", "torch_fp8_rowwise", "naive_dequant"]
-    assert not any(METHODS[m].kernel for m in ("torch_bf16", "torch_fp8_rowwise", "naive_dequant"))
+    assert not any(METHODS[m].kernel or METHODS[m].config is not None for m in ("torch_bf16", "torch_fp8_rowwise", "naive_dequant"))
     assert all(METHODS[m].kernel for m in ("w4a4_v1", "w4a4_v1_2cta", "w4a4_v2", "w4a4_v2_2cta"))
+    # each kernel method is a config object, passed whole to the host layer
+    assert {m.name: m.config for m in KERNELS} == {
+        "w4a4_v1": HopperV1Config(), "w4a4_v1_2cta": HopperV1Config(cluster_n=2),
+        "w4a4_v2": HopperV2Config(), "w4a4_v2_2cta": HopperV2Config(cluster_n=2)}
+    diag = {m.name: m.config for m in DIAGNOSTICS if m.config is not None}
+    assert diag == {"w4a4_v2_pure": HopperV2Config(), "w4a4_v2_i2f": HopperV2Config(promotion="i2f"),
+                    "w4a4_v2_no_decode": HopperV2Config(ablate=("decode",)),
+                    "w4a4_v2_no_promote": HopperV2Config(ablate=("promote",)),
+                    "w4a4_v2_mma_only": HopperV2Config(ablate=("decode", "promote"))}
+    assert [m.name for m in DIAGNOSTICS if m.checked] == ["w4a4_v2_i2f"]   # the ablations compute wrong results on purpose
+
+
+def test_kernel_method_checks_its_config():
+    with pytest.raises(ValueError, match="cluster_n=4"):
+        kernel_method("w4a4_v2_4cta", HopperV2Config(cluster_n=4))
+    with pytest.raises(ValueError, match="promotion='fp32'"):
+        kernel_method("w4a4_v2_x", HopperV2Config(promotion="fp32"))
+    with pytest.raises(TypeError, match="config"):
+        kernel_method("w4a4_v3", "v3")
+
+
+def test_kernel_method_launches_its_config(monkeypatch):
+    "The method hands its config, whole, to `gemm.gemm_launcher`, with the workload's operands and output dtype."
+    seen = {}
+    def fake_launcher(*ops, out_dtype, config):
+        seen.update(n_ops=len(ops), out_dtype=out_dtype, config=config)
+        out = torch.zeros(ops[0].rows, ops[1].rows, dtype=out_dtype)
+        return (lambda: None), out
+    monkeypatch.setattr(gemm, "gemm_launcher", fake_launcher)
+    w = make_workload(64, 128, 128, 16, device="cpu")
+    cfg = HopperV2Config(cluster_n=2, promotion="i2f")
+    out = kernel_method("k", cfg).build(w)()
+    assert seen == dict(n_ops=6, out_dtype=torch.bfloat16, config=cfg) and out.shape == (64, 128)
+    workloads.pure_kernel_method("p", cfg).build(w)()
+    assert seen["n_ops"] == 2 and seen["config"] == cfg          # the main GEMM alone: act and wgt
+
+
+def test_budget_of_a_kernel_method():
+    "The stages a kernel method runs with are the solver's for its config bound to the workload's problem."
+    from w4a4_book import smem
+    p = make_workload(64, 128, 3840, 128, device="cpu").problem
+    stages = {m.name: smem.solve(gemm.bind(m.config, p), k=p.K).stages["main"] for m in KERNELS}
+    assert stages["w4a4_v2"] == stages["w4a4_v2_2cta"] == 3      # the fix: a pair charges each CTA its half of LU
+
+
+def test_kernel_unavailable_names_the_reason(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert workloads.kernel_unavailable() == "no CUDA device"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    assert workloads.kernel_unavailable(HopperV1Config()) == ("the sm_90a kernels need compute capability 9.0, "
+                                                              "this device has 10.0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert workloads.kernel_unavailable(HopperV2Config(cluster_n=2)) is None
+
+
+def test_modules_import_one_way():
+    "report -> workloads -> timing, never back; the layer benchmark uses the harness, and nothing in it imports the layer's benchmark."
+    pkg = Path(workloads.__file__).parent
+    def deps(name):
+        tree = ast.parse((pkg / f"{name}.py").read_text())
+        return {n.module.split(".")[-1] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1}
+    assert deps("timing") == set()
+    assert deps("workloads") == {"timing"}
+    assert deps("report") == {"timing", "workloads"}
+    assert deps("layer") == {"timing", "workloads"}
 
 
 def _row(method="w4a4_v1", kernel=True, M=256, N=3072, K=3840, R=32, tf=None, m=None, **kw):
@@ -189,13 +264,13 @@ def test_table_and_plot(tmp_path):
 
 def _parser():
     p = argparse.ArgumentParser()
-    bench.add_arguments(p)
+    report.add_arguments(p)
     return p
 
 
 def test_cli_command_round_trip():
     args = _parser().parse_args(["--shapes", "m4352", "--ranks", "32", "--iters", "30"])
-    command = bench._command(args)
+    command = report._command(args)
     assert command.startswith("w4a4-book bench --shapes m4352 --methods torch_bf16 ")
     assert _parser().parse_args(command.split()[2:]) == args
     with pytest.raises(SystemExit):
@@ -205,25 +280,25 @@ def test_cli_command_round_trip():
 @needs_no_cuda
 def test_cli_refuses_cpu():
     with pytest.raises(RuntimeError, match="CUDA device"):
-        bench.bench_cli(["--shapes", "8192", "--iters", "20"])
+        report.bench_cli(["--shapes", "8192", "--iters", "20"])
 
 
 @pytest.fixture
 def fake_h200(monkeypatch):
-    "Run the harness's control flow on the CPU: device queries answer as an H200, problems live on the CPU, timing is stubbed."
+    "Run the harness's control flow on the CPU: device queries answer as an H200, workloads live on the CPU, timing is stubbed."
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "make_problem", partial(make_problem, device="cpu"))
-    monkeypatch.setattr(bench, "time_cuda", lambda fn, **kw: dict(median_ms=1.0, p10_ms=0.9, p90_ms=1.2, n=kw["iters"]))
-    monkeypatch.setattr(bench, "kernel_unavailable", lambda: "no sm_90 device in this test")
+    monkeypatch.setattr(workloads, "make_workload", partial(make_workload, device="cpu"))
+    monkeypatch.setattr(workloads, "time_cuda", lambda fn, **kw: dict(median_ms=1.0, p10_ms=0.9, p90_ms=1.2, n=kw["iters"]))
+    monkeypatch.setattr(workloads, "kernel_unavailable", lambda config=None: "no sm_90 device in this test")
     return monkeypatch
 
 
 def test_run_bench_rows(fake_h200):
     wrong = Method("wrong", lambda p: lambda: torch.zeros(p.shape[:2], dtype=torch.bfloat16))
-    rows = bench.run_bench([(64, 128, 128, 16), (32, 64, 256, 32)], ["torch_bf16", "w4a4_v1", wrong], iters=20,
+    rows = workloads.run_bench([(64, 128, 128, 16), (32, 64, 256, 32)], ["torch_bf16", "w4a4_v1", wrong], iters=20,
                            quiet=True)
     assert [(r["method"], r["M"]) for r in rows] == [(m, M) for M in (64, 32) for m in ("torch_bf16", "w4a4_v1", "wrong")]
     bf16, kernel, bad = rows[:3]
@@ -231,40 +306,49 @@ def test_run_bench_rows(fake_h200):
     assert bf16["mfu"] == pytest.approx(bf16["tflops"] / 1979.0) and bf16["rel_err"] < 1e-2 and bf16["note"] is None
     assert kernel["kernel"] and kernel["tflops"] is None and kernel["note"] == "no sm_90 device in this test"
     assert bad["rel_err"] == pytest.approx(1.0)
-    assert bench.run_bench([(64, 128, 128, 16)], ["torch_bf16"], iters=20, check=False, quiet=True)[0]["rel_err"] is None
+    assert workloads.run_bench([(64, 128, 128, 16)], ["torch_bf16"], iters=20, check=False, quiet=True)[0]["rel_err"] is None
+
+
+def test_run_bench_asks_about_each_kernel_config(fake_h200):
+    "Whether a kernel can run is asked of its own config; the baselines are never asked."
+    asked = []
+    fake_h200.setattr(workloads, "kernel_unavailable", lambda config=None: asked.append(config) or f"not {config.cluster_n}")
+    rows = workloads.run_bench([(64, 128, 128, 16)], ["torch_bf16", "w4a4_v2", "w4a4_v2_2cta"], iters=20, quiet=True)
+    assert asked == [HopperV2Config(), HopperV2Config(cluster_n=2)]
+    assert [r["note"] for r in rows] == [None, "not 1", "not 2"]
 
 
 def test_run_bench_rejections(fake_h200):
     def reject(p):
         raise ValueError("R=16 is not supported")
-    fake_h200.setattr(bench, "kernel_unavailable", lambda: None)
-    row = bench.run_bench([(64, 128, 128, 16)], [Method("k", reject, kernel=True)], iters=20, quiet=True)[0]
+    fake_h200.setattr(workloads, "kernel_unavailable", lambda config=None: None)
+    row = workloads.run_bench([(64, 128, 128, 16)], [Method("k", reject, kernel=True)], iters=20, quiet=True)[0]
     assert row["tflops"] is None and row["note"] == "ValueError: R=16 is not supported"
     with pytest.raises(ValueError, match="not supported"):   # a baseline that fails is a bug, not a gap
-        bench.run_bench([(64, 128, 128, 16)], [Method("b", reject)], iters=20, quiet=True)
+        workloads.run_bench([(64, 128, 128, 16)], [Method("b", reject)], iters=20, quiet=True)
     with pytest.raises(ValueError, match="iters"):
-        bench.run_bench([(64, 128, 128, 16)], ["torch_bf16"], iters=10)
+        workloads.run_bench([(64, 128, 128, 16)], ["torch_bf16"], iters=10)
     with pytest.raises(ValueError, match="no_such"):
-        bench.run_bench([(64, 128, 128, 16)], ["no_such"])
+        workloads.run_bench([(64, 128, 128, 16)], ["no_such"])
     fake_h200.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ValueError, match="gpu_name"):
-        bench.run_bench([(64, 128, 128, 16)], ["torch_bf16"])
+        workloads.run_bench([(64, 128, 128, 16)], ["torch_bf16"])
 
 
 def test_cli_save_then_check(fake_h200, tmp_path, capsys):
-    fake_h200.setattr(bench, "bench_problems", lambda which, ranks: [(64, 128, 128, 16)])
-    fake_h200.setattr(bench, "kernel_unavailable", lambda: None)
-    fake_h200.setitem(bench.METHODS, "w4a4_v1", Method("w4a4_v1", torch_bf16, kernel=True))   # a stand-in kernel
+    fake_h200.setattr(report, "bench_problems", lambda which, ranks: [(64, 128, 128, 16)])
+    fake_h200.setattr(workloads, "kernel_unavailable", lambda config=None: None)
+    fake_h200.setitem(workloads.METHODS, "w4a4_v1", Method("w4a4_v1", torch_bf16, kernel=True))   # a stand-in kernel
     common = ["--shapes", "m256", "--methods", "torch_bf16", "w4a4_v1", "--iters", "20"]
     record = tmp_path / "bench_h200_test.json"
-    assert bench.bench_cli(common + ["--out", str(record)]) == 0
+    assert report.bench_cli(common + ["--out", str(record)]) == 0
     prov, rows = load_record(record)
     assert prov["command"] == "w4a4-book bench " + " ".join(common[:-2] + ["--fmt", "int4", "--iters", "20", "--warmup", "10"])
     assert prov["mfu_peak_tflops"] == 1979.0 and [r["method"] for r in rows] == ["torch_bf16", "w4a4_v1"]
-    assert bench.bench_cli(common + ["--check", "--baseline", str(record)]) == 0
-    fake_h200.setattr(bench, "time_cuda", lambda fn, **kw: dict(median_ms=2.0, p10_ms=1.9, p90_ms=2.1, n=kw["iters"]))
+    assert report.bench_cli(common + ["--check", "--baseline", str(record)]) == 0
+    fake_h200.setattr(workloads, "time_cuda", lambda fn, **kw: dict(median_ms=2.0, p10_ms=1.9, p90_ms=2.1, n=kw["iters"]))
     capsys.readouterr()
-    assert bench.bench_cli(common + ["--check", "--baseline", str(record)]) == 1
+    assert report.bench_cli(common + ["--check", "--baseline", str(record)]) == 1
     err = capsys.readouterr().err
     assert "FAIL w4a4_v1 64x128x128 R=16 (int4)" in err and "torch_bf16" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_h200_test.json"]   # --check saved nothing
@@ -272,7 +356,7 @@ def test_cli_save_then_check(fake_h200, tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_fp8_rowwise_on_gpu():
-    p = make_problem(256, 512, 1024, 32, device="cuda")
+    p = make_workload(256, 512, 1024, 32, device="cuda")
     out = torch_fp8_rowwise(p)()
     assert out.dtype == torch.bfloat16 and out.shape == (256, 512)
     assert rel_err(out, w4a4_gemm_ref(*p.operands)) < 1e-1   # row-wise FP8 re-quantization of 4-bit values
@@ -280,7 +364,7 @@ def test_fp8_rowwise_on_gpu():
 
 @pytest.mark.gpu
 def test_one_shape_end_to_end(tmp_path):
-    rows = bench.run_bench([(256, 3072, 3840, 32)], iters=20, warmup=2, quiet=True)
+    rows = workloads.run_bench([(256, 3072, 3840, 32)], iters=20, warmup=2, quiet=True)
     assert [r["method"] for r in rows] == list(METHODS)
     gpu = torch.cuda.get_device_name()
     for r in rows:
@@ -291,7 +375,7 @@ def test_one_shape_end_to_end(tmp_path):
         assert r["tflops"] == pytest.approx(tflops(256, 3072, 3840, r["median_ms"]))
         assert r["mfu"] == pytest.approx(r["tflops"] / peak_for(gpu))
         assert r["rel_err"] < (1e-1 if r["method"] == "torch_fp8_rowwise" else 1e-2), r
-    path = bench.save_bench(rows, tmp_path / "bench_test.json", command="pytest tests/test_bench.py")
+    path = report.save_bench(rows, tmp_path / "bench_test.json", command="pytest tests/test_bench.py")
     prov, back = load_record(path)
     assert prov["gpu"] == gpu and prov["kind"] == "bench" and back == json.loads(json.dumps(rows))
     ran = any(r["kernel"] and r["mfu"] is not None for r in rows)
@@ -371,10 +455,10 @@ def test_time_cuda_graph_replays_the_work():
     y = torch.empty_like(x)
     t = time_cuda(lambda: torch.mm(x, x, out=y), warmup=2, iters=20, graph=True)
     assert t["n"] == 20 and t["median_ms"] > 0
-    replay = bench.cuda_graph(lambda: torch.mm(x, x, out=y))
+    replay = timing.cuda_graph(lambda: torch.mm(x, x, out=y))
     y.zero_()
     replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(y, x @ x)
     with pytest.raises(RuntimeError):
-        bench.cuda_graph(lambda: x.sum().item())
+        timing.cuda_graph(lambda: x.sum().item())

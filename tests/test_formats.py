@@ -3,6 +3,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from w4a4_book.formats import INT_RANGE_LIMIT
 from w4a4_book.formats import (GROUP_SIZE, QTensor, decode_table, dequantize, pack_nibbles, quantize,
                                unpack_int4, unpack_nibbles, _round_e2m1)
 
@@ -92,6 +93,13 @@ def test_int4_never_emits_minus_eight():
 # The half-step bound on generated tensors
 
 SPECIAL = st.floats(width=32, allow_nan=False, allow_infinity=False, allow_subnormal=True)
+
+
+@st.composite
+def int_matrices(draw):
+    "`matrices` for the int8-lane formats: magnitudes below `INT_RANGE_LIMIT` (2^127), the range `quantize` accepts for them."
+    x = draw(matrices("int4"))
+    return torch.where(x.abs() >= INT_RANGE_LIMIT, torch.copysign(torch.tensor(2.0 ** 126), x), x)
 
 
 @st.composite
@@ -335,7 +343,7 @@ def test_frozen():
 @settings(max_examples=80, deadline=None)
 @given(st.data())
 def test_int4_pg_matches_scalar_rule(data):
-    x = data.draw(matrices("int4"))
+    x = data.draw(int_matrices())
     q = quantize(x, "int4_pg")
     codes, u, base = scalar_int4_pg(x)
     assert np.array_equal(q.base.numpy(), base)
@@ -347,7 +355,7 @@ def test_int4_pg_matches_scalar_rule(data):
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_int8_matches_scalar_rule_and_half_step(data):
-    x = data.draw(matrices("int4"))
+    x = data.draw(int_matrices())
     q = quantize(x, "int8")
     codes, base = scalar_int8(x)
     assert np.array_equal(q.base.numpy(), base) and np.array_equal(q.data.long().numpy(), codes)
@@ -387,13 +395,13 @@ def check_int4_pg_bound(x):
 @settings(max_examples=80, deadline=None)
 @given(st.data())
 def test_int4_pg_half_step_bound(data):
-    check_int4_pg_bound(data.draw(matrices("int4")))
+    check_int4_pg_bound(data.draw(int_matrices()))
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_int4_pg_packings_agree(data):
-    x = data.draw(matrices("int4"))
+    x = data.draw(int_matrices())
     q = quantize(x, "int4_pg")
     q8 = q.as_int8()
     assert q8.packing == "int8" and q8.data.dtype == torch.int8 and q8.shape == q.shape
@@ -492,3 +500,13 @@ def test_int_qtensor_validation():
 def test_int_bad_input(call, exc, msg):
     with pytest.raises(exc, match=msg):
         call(torch.randn(3, 128))
+
+
+@pytest.mark.parametrize("fmt", ["int4_pg", "int8"])
+def test_int_formats_refuse_values_past_their_float32_range(fmt):
+    x = torch.ones(2, 64)
+    x[1, 3] = INT_RANGE_LIMIT
+    with pytest.raises(ValueError, match="magnitude >= 2\\^127"):
+        quantize(x, fmt)
+    x[1, 3] = INT_RANGE_LIMIT / 2
+    assert torch.isfinite(dequantize(quantize(x, fmt))).all()

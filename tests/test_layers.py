@@ -1,5 +1,4 @@
 "Tests of `W4A4Linear`: SVDQuant conversion, forward pass, backend dispatch and argument checks."
-import sys
 import types
 
 import pytest
@@ -9,6 +8,8 @@ from torch import nn
 from w4a4_book.formats import dequantize, quantize
 from w4a4_book.layers import W4A4Linear, low_rank, smooth_factors
 from w4a4_book.reference import w4a4_gemm_ref
+from w4a4_book import gemm
+from w4a4_book.smem import HopperV1Config, HopperV2Config
 
 FORMATS = ("int4", "nvfp4")
 
@@ -138,9 +139,11 @@ def test_sm90_shape_conditions(monkeypatch):
     "The shape and format conditions are checked after the device ones; fake a CUDA sm_90 input to reach them."
     x = types.SimpleNamespace(is_cuda=True, device="cuda:0")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert W4A4Linear(256, 128, rank=16, fmt="nvfp4").why_not_sm90(x) == "fmt='nvfp4': the sm90 kernel computes int4 only"
-    assert W4A4Linear(192, 128, rank=16).why_not_sm90(x) == "in_features=192 is not a multiple of 128"
-    assert W4A4Linear(256, 64, rank=16).why_not_sm90(x) == "out_features=64 is not a multiple of 128"
+    assert W4A4Linear(256, 128, rank=16, fmt="nvfp4").why_not_sm90(x).startswith("no sm90 kernel: fmt: no kernel computes 'nvfp4'")
+    assert W4A4Linear(192, 128, rank=16).why_not_sm90(x) == "in_features: K=192 must be a multiple of 128 (the kernel's K-block)"
+    assert W4A4Linear(256, 64, rank=16).why_not_sm90(x) == "out_features: N=64 must be a multiple of 128 (tile N × cluster_n)"
+    assert W4A4Linear(512, 256, rank=16, kernel_config=HopperV2Config(cluster_n=2)).why_not_sm90(x) is None
+    assert W4A4Linear(512, 128, rank=16, kernel_config=HopperV2Config(cluster_n=2)).why_not_sm90(x).startswith("out_features: N=128")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert W4A4Linear(256, 128, rank=16).why_not_sm90(x) == "x is on a GPU of compute capability (8, 0), not (9, 0)"
 
@@ -168,22 +171,23 @@ def test_dispatch_to_sm90_kernel(monkeypatch, version):
     "With the availability check satisfied, forward hands the kernel exactly the reference's operands."
     calls = []
 
-    def fake_gemm_w4a4(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *, out_dtype, version):
+    def fake_gemm_w4a4(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *, out_dtype, config):
         y32 = w4a4_gemm_ref(act, wgt, lora_act, lora_up, wcscales, bias)
-        calls.append(dict(out_dtype=out_dtype, version=version, y32=y32))
+        calls.append(dict(out_dtype=out_dtype, version=gemm.spec_for(config).kernel, y32=y32))
         return y32.to(out_dtype)
 
-    def fake_quantize_lora_down(x, smooth, lora_down_t):
+    def fake_quantize_lora_down(x, smooth, lora_down_t, fmt):
         "What the fused kernel computes, by the reference rules, on x already cast to the layer's dtype."
         assert x.dtype == torch.float16 and x.is_contiguous()
         act = quantize(x.float() / smooth.float(), "int4", torch.float16)
         return act, (x.float() @ lora_down_t.float().T).half()
 
-    monkeypatch.setitem(sys.modules, "w4a4_book.sm90", types.SimpleNamespace(gemm_w4a4=fake_gemm_w4a4))
-    monkeypatch.setitem(sys.modules, "w4a4_book.quant", types.SimpleNamespace(quantize_lora_down=fake_quantize_lora_down))
+    monkeypatch.setattr(gemm, "gemm_w4a4", fake_gemm_w4a4)
+    monkeypatch.setattr(gemm, "quantize_lora_down", fake_quantize_lora_down)
     monkeypatch.setattr(W4A4Linear, "why_not_sm90", lambda self, x: None)
     lin, calib, x = outlier_problem()
-    layer = W4A4Linear.from_linear(lin, rank=16, act_sample=calib, kernel_version=version, dtype=torch.float16)
+    layer = W4A4Linear.from_linear(lin, rank=16, act_sample=calib, kernel_config={"v1": HopperV1Config, "v2": HopperV2Config}[version](),
+                                   dtype=torch.float16)
     xb = x.bfloat16()
     y = layer(xb)
     assert layer.last_backend == f"sm90-{version}" and y.dtype == torch.bfloat16
@@ -214,7 +218,7 @@ def test_sm90_backend_matches_reference():
                     reason="needs an sm_90 GPU")
 def test_sm90_forward_replays_as_a_cuda_graph():
     "The sm90 forward (fused activation kernel + v2) is capturable: a replay gives the eager output, bit for bit."
-    from w4a4_book.bench import cuda_graph
+    from w4a4_book.bench.timing import cuda_graph
     lin, calib, x = outlier_problem(K=1024, N=512, tokens=256)
     layer = W4A4Linear.from_linear(lin.cuda(), rank=32, act_sample=calib.cuda())
     x = x.cuda().bfloat16()
@@ -236,8 +240,8 @@ LIN = nn.Linear(256, 64)
     (lambda: W4A4Linear.from_linear(LIN.weight), TypeError, "linear must be a torch.nn.Linear"),
     (lambda: W4A4Linear.from_linear(LIN, rank=24), ValueError, "rank=24 must be 0 or a positive multiple of 16"),
     (lambda: W4A4Linear.from_linear(LIN, rank=-16), ValueError, "rank=-16"),
-    (lambda: W4A4Linear.from_linear(LIN, rank=16.0), TypeError, "rank must be an int"),
-    (lambda: W4A4Linear.from_linear(LIN, rank=True), TypeError, "rank must be an int"),
+    (lambda: W4A4Linear.from_linear(LIN, rank=16.0), TypeError, "rank: must be an int"),
+    (lambda: W4A4Linear.from_linear(LIN, rank=True), TypeError, "rank: must be an int"),
     (lambda: W4A4Linear.from_linear(LIN, rank=128), ValueError, "rank=128 exceeds"),
     (lambda: W4A4Linear.from_linear(LIN, fmt="fp4"), ValueError, "fmt='fp4'"),
     (lambda: W4A4Linear.from_linear(LIN, fmt=None), TypeError, "fmt must be a str"),
@@ -252,9 +256,9 @@ LIN = nn.Linear(256, 64)
     (lambda: W4A4Linear.from_linear(LIN, act_sample=torch.randn(4, 256), alpha=1.5), ValueError, "alpha=1.5"),
     (lambda: W4A4Linear.from_linear(LIN, dtype=torch.float32), ValueError, "dtype=torch.float32"),
     (lambda: W4A4Linear.from_linear(LIN, backend="cuda"), ValueError, "backend='cuda'"),
-    (lambda: W4A4Linear.from_linear(LIN, kernel_version="v9"), ValueError, "kernel_version='v9'"),
+    (lambda: W4A4Linear.from_linear(LIN, kernel_config="v9"), TypeError, "config: expected one of"),
     (lambda: W4A4Linear(0, 64, rank=0), ValueError, "in_features=0"),
-    (lambda: W4A4Linear(256, 64.0), TypeError, "out_features must be an int"),
+    (lambda: W4A4Linear(256, 64.0), TypeError, "out_features: must be an int"),
 ])
 def test_bad_construction(make, exc, msg):
     with pytest.raises(exc, match=msg):
@@ -275,3 +279,41 @@ LAYER = W4A4Linear(256, 64, rank=16)
 def test_bad_forward_input(x, exc, msg):
     with pytest.raises(exc, match=msg):
         LAYER(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# int4_pg weights, W4A8 activations, conversion
+
+
+@pytest.mark.parametrize("act_fmt", [None, "int8"])
+def test_int4_pg_layer_is_the_reference_operator(act_fmt):
+    lin, calib, x = outlier_problem()
+    layer = W4A4Linear.from_linear(lin, rank=16, fmt="int4_pg", act_sample=calib, act_fmt=act_fmt)
+    sd = layer.state_dict()
+    assert sd["qweight_scales"].dtype == torch.uint8 and sd["qweight_base"].shape == (128,)
+    assert int(sd["qweight_scales"].min()) >= 1 and int(sd["qweight_scales"].max()) <= 15
+    act = quantize(x.float() / layer.smooth.float(), act_fmt or "int4_pg")
+    lora_act = (x @ layer.lora_down.float()).bfloat16()
+    expected = w4a4_gemm_ref(act, layer.qweight, lora_act, layer.lora_up, layer.wcscales, layer.bias)
+    assert torch.equal(layer(x), expected) and layer.last_backend == "reference"
+    b = W4A4Linear(256, 128, rank=16, fmt="int4_pg", act_fmt=act_fmt)
+    b.load_state_dict(sd)
+    assert torch.equal(b(x), layer(x))
+
+
+def test_int4_pg_error_is_close_to_int4_and_w4a8_is_better():
+    lin, calib, x = outlier_problem()
+    errs = {(f, a): rel_err(W4A4Linear.from_linear(lin, rank=32, fmt=f, act_sample=calib, act_fmt=a), lin, x)
+            for f, a in (("int4", None), ("int4_pg", None), ("int4_pg", "int8"))}
+    assert errs["int4_pg", None] < 1.1 * errs["int4", None], errs
+    assert errs["int4_pg", "int8"] < errs["int4_pg", None], errs
+
+
+def test_int4_layer_converts_to_int4_pg():
+    lin, calib, x = outlier_problem()
+    int4 = W4A4Linear.from_linear(lin, rank=32, fmt="int4", act_sample=calib)
+    pg = int4.to_int4_pg()
+    assert pg.fmt == "int4_pg" and torch.equal(pg.lora_up, int4.lora_up) and torch.equal(pg.smooth, int4.smooth)
+    assert rel_err(pg, lin, x) < 1.1 * rel_err(int4, lin, x)
+    with pytest.raises(ValueError, match="fmt='int4_pg': to_int4_pg converts an int4 layer"):
+        pg.to_int4_pg()

@@ -4,7 +4,9 @@ import re
 import pytest
 import torch
 
-from w4a4_book import quant
+from w4a4_book import gemm
+from w4a4_book.operands import check_quant_inputs
+from w4a4_book.kernels.sm90_quant import G, MAX_RANK
 from w4a4_book.formats import quantize
 
 
@@ -25,17 +27,17 @@ def bf16(*shape):
 ])
 def test_bad_arguments_are_named(kw, msg):
     with pytest.raises((TypeError, ValueError), match=msg):
-        quant.check_quant_inputs(need_gpu=False, **kw)
+        check_quant_inputs(**kw, group_size=G, max_rank=MAX_RANK, device=False)
 
 
 def test_cpu_tensors_are_refused_before_any_launch():
     with pytest.raises(ValueError, match="x: must be on a CUDA device"):
-        quant.quantize_lora_down(bf16(64, 512))
+        gemm.quantize_lora_down(bf16(64, 512))
 
 
 @pytest.mark.parametrize("R", [0, 32, 128])
 def test_compiles_for_sm90a_with_exact_arithmetic(R):
-    ptx, _ = quant.compile_quant(M=300, K=1024, R=R)
+    ptx, _ = gemm.compile_quant(M=300, K=1024, R=R)
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == (4 if R else 0)
     assert len(re.findall(r"cvt\.rni\.s32\.f32", ptx)) == 32 and not re.search(r"div\.approx", ptx)
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == (4 if R else 2)
@@ -61,7 +63,7 @@ def test_exact_against_quantize(M, K, R, dt, smooth):
     x[:, 5] *= 40                                                    # an outlier channel
     lam = (torch.rand(K, device="cuda", generator=g) + 0.5).to(dt) if smooth else None
     down = (torch.randn(K, R, device="cuda", generator=g) / K ** 0.5).to(dt) if R else None
-    act, lora_act = quant.quantize_lora_down(x, lam, down.T.contiguous() if R else None)
+    act, lora_act = gemm.quantize_lora_down(x, lam, down.T.contiguous() if R else None)
     torch.cuda.synchronize()
     xs = x.float() / lam.float() if smooth else x.float()
     ref = quantize(xs, "int4", dt)
@@ -82,7 +84,47 @@ def test_exact_against_quantize(M, K, R, dt, smooth):
 
 def test_k_splits_fill_the_gpu():
     "Enough shares of K for two CTAs per SM, each share a whole number of K-blocks; one share when rows suffice."
-    assert quant.k_splits(68, 60, 132) == 4        # M=4352: 272 CTAs
-    assert quant.k_splits(4, 240, 132) == 80       # M=256, K=15360: 66 wanted, 80 is the next divisor
-    assert quant.k_splits(1, 2, 132) == 2          # K shorter than wanted: every K-block its own CTA
-    assert quant.k_splits(300, 60, 132) == 1
+    assert gemm.k_splits(68, 60, 132) == 4        # M=4352: 272 CTAs
+    assert gemm.k_splits(4, 240, 132) == 80       # M=256, K=15360: 66 wanted, 80 is the next divisor
+    assert gemm.k_splits(1, 2, 132) == 2          # K shorter than wanted: every K-block its own CTA
+    assert gemm.k_splits(300, 60, 132) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4_pg", "int8"])
+@pytest.mark.parametrize("M, K, R, dt, smooth", CASES)
+def test_int8_lanes_exact_against_quantize(fmt, M, K, R, dt, smooth):
+    "The two-pass activation kernel writes `quantize(x / smooth, fmt)` bit for bit: the int8 lanes and every row's base."
+    g = torch.Generator(device="cuda").manual_seed(M + K + R + 1)
+    x = (torch.randn(M, K, device="cuda", generator=g) * 3).to(dt)
+    x[:, 5] *= 40                                                    # an outlier channel
+    x[min(3, M - 1)] = 0                                             # an all-zero row: base 0, u 1, codes 0
+    lam = (torch.rand(K, device="cuda", generator=g) + 0.5).to(dt) if smooth else None
+    down = (torch.randn(K, R, device="cuda", generator=g) / K ** 0.5).to(dt) if R else None
+    act, lora_act = gemm.quantize_lora_down(x, lam, down.T.contiguous() if R else None, fmt=fmt)
+    torch.cuda.synchronize()
+    xs = x.float() / lam.float() if smooth else x.float()
+    ref = quantize(xs, fmt)
+    ref8 = ref.as_int8() if fmt == "int4_pg" else ref
+    assert act.fmt == fmt and act.packing == "int8"
+    bad = (act.base != ref8.base).nonzero()
+    assert not len(bad), f"{len(bad)} bases differ, first rows {bad[:4].flatten().tolist()}"
+    bad = (act.data != ref8.data).nonzero()
+    assert not len(bad), f"{len(bad)} codes differ, first (row, k): {bad[:4].tolist()}"
+    if R:
+        want = x.float() @ down.float()
+        ulp = 2.0 ** -7 if dt == torch.bfloat16 else 2.0 ** -10
+        assert ((lora_act.float() - want).abs() <= ulp * want.abs() + 2.0 ** -16 * want.abs().max()).all()
+
+
+@pytest.mark.parametrize("mode", ["pg_rowmax", "pg_quant", "int8_quant"])
+def test_int8_lane_modes_compile_with_exact_arithmetic(mode):
+    ptx, _ = gemm.compile_quant(M=300, K=1024, R=32, mode=mode)
+    assert not re.search(r"div\.approx", ptx)
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == (4 if mode == "pg_rowmax" else 0)   # the LoRA product rides the first pass
+    assert len(re.findall(r"cvt\.rni\.s32\.f32", ptx)) == {"pg_rowmax": 0, "pg_quant": 33, "int8_quant": 32}[mode]
+
+
+def test_activation_formats_are_checked():
+    with pytest.raises(ValueError, match="fmt: 'nvfp4': the activation kernel writes one of"):
+        gemm.quantize_lora_down(bf16(64, 512), fmt="nvfp4")

@@ -3,7 +3,7 @@ import json
 import re
 from pathlib import Path
 
-from w4a4_book.bench import LORA_RECORD, README_RECORDS, readme_results, readme_table
+from w4a4_book.bench.report import LORA_RECORD, README_RECORDS, readme_results, readme_table
 from w4a4_book.records import data_dir, load_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +20,7 @@ def test_table_is_generated_from_the_records():
 def test_results_section_is_generated_from_the_records():
     section = README[README.index("## Results\n"):README.index("\n## ", README.index("## Results\n") + 1)]
     assert readme_results() in section, ("README.md's Results section differs from the records; regenerate it with "
-                                         "w4a4_book.bench.readme_results() instead of editing it")
+                                         "w4a4_book.bench.report.readme_results() instead of editing it")
     for name in README_RECORDS + (LORA_RECORD,):
         assert f"`{name}`" in section and load_record(data_dir()/name)[0]["command"] in section
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from w4a4_book.formats import GROUP_SIZE, QTensor, decode_table, dequantize, pack_nibbles, quantize, unpack_nibbles
-from w4a4_book.reference import check_operands, w4a4_gemm_dequant, w4a4_gemm_ref
+from w4a4_book.operands import check_operands
+from w4a4_book.reference import w4a4_gemm_dequant, w4a4_gemm_ref
 
 FORMATS = tuple(GROUP_SIZE)
 
@@ -102,7 +103,7 @@ ACT, WGT, LA, LU, WC, B = OPS
     (dict(wgt=quantize(torch.randn(8, 256), "int4")), ValueError, "act has K=128 but wgt has K=256"),
     (dict(lora_up=None), ValueError, "lora_act and lora_up must be given together"),
     (dict(lora_act=None), ValueError, "lora_act and lora_up must be given together"),
-    (dict(lora_act=LA[:, :8], lora_up=LU[:, :8]), ValueError, "lora rank R=8 is not a multiple of 16"),
+    (dict(lora_act=LA[:, :8], lora_up=LU[:, :8]), ValueError, "lora_act has rank R=8, not a multiple of 16"),
     (dict(lora_act=LA[:2]), ValueError, r"lora_act must have shape \[M, R\]"),
     (dict(lora_up=LU[:, :0]), ValueError, r"lora_up must have shape \[N, R\]"),
     (dict(lora_act=LA[:, :, None]), ValueError, "lora_act must be 2-D"),
@@ -128,7 +129,8 @@ def test_bad_input(fn, kwargs, exc, msg):
 from hypothesis import given, settings, strategies as st
 
 from w4a4_book.formats import INT_MAX_ABS, unpack_int4
-from w4a4_book.reference import (OPERAND_PAIRS, check_int32_sum, int32_k_limit, int_accumulator, w4a4_gemm_exact)
+from w4a4_book.operands import OPERAND_PAIRS, check_int32_sum, int32_k_limit
+from w4a4_book.reference import int_accumulator, w4a4_gemm_exact
 
 INT_PAIRS = [("int4_pg", "int4_pg"), ("int8", "int4_pg")]
 
@@ -288,7 +290,7 @@ INT_OPS = int_operands("int8", M=4, N=8, K=128, R=16)
     (dict(wgt=quantize(torch.randn(8, 128), "int8")), ValueError, "act.fmt='int8' and wgt.fmt='int8': not an allowed"),
     (dict(wgt=quantize(torch.randn(8, 256), "int4_pg")), ValueError, "act has K=128 but wgt has K=256"),
     (dict(lora_up=None), ValueError, "lora_act and lora_up must be given together"),
-    (dict(lora_act=INT_OPS[2][:, :8], lora_up=INT_OPS[3][:, :8]), ValueError, "lora rank R=8 is not a multiple of 16"),
+    (dict(lora_act=INT_OPS[2][:, :8], lora_up=INT_OPS[3][:, :8]), ValueError, "lora_act has rank R=8, not a multiple of 16"),
     (dict(wcscales=INT_OPS[4][:4]), ValueError, r"wcscales must have shape \[N\]"),
     (dict(bias=INT_OPS[5].int()), TypeError, "bias must have dtype"),
 ])

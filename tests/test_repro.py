@@ -6,9 +6,12 @@ matplotlib.use("Agg")
 import pytest
 import torch
 from matplotlib.figure import Figure
-from w4a4_book import bench, records, repro, smem, sweep
-from w4a4_book.cli import main
-from w4a4_book.sm90 import Problem, kernel_config
+from dataclasses import replace
+
+from w4a4_book import gemm, records, repro, smem, sweep
+from w4a4_book.bench import timing, workloads
+from w4a4_book.cli import main, parser
+from w4a4_book.operands import Problem
 
 
 def _records(kind):
@@ -52,7 +55,8 @@ def test_accounting_rows_rejects_bad_input(kw, match):
 
 def test_bug_and_fix_are_the_solver_modes():
     assert {repro.BUG, repro.FIX} == set(smem.LORA_ACCOUNTING)
-    assert repro.LORA_BUG_PROBLEMS == tuple(bench.bench_problems("m4352", ranks=repro.LORA_BUG_RANKS))
+    assert repro.LORA_BUG_PROBLEMS == tuple(workloads.bench_problems("m4352", ranks=repro.LORA_BUG_RANKS))
+    assert repro.LORA_BUG_CONFIG == smem.HopperV2Config(cluster_n=2)     # v2 as a pair: the only kernel with a pair to mis-charge
 
 
 # ---------------------------------------------------------------- recorded LoRA accounting data
@@ -61,13 +65,13 @@ def test_recorded_lora_bug_is_consistent():
         assert records.validate(prov) and prov["command"].startswith("w4a4-book repro lora-bug"), path.name
         problems = {(r["M"], r["N"], r["K"], r["R"]) for r in rows}
         assert problems == {tuple(s) for s in prov["shapes"]}, path.name
-        peak = bench.peak_for(prov["gpu"])
+        peak = timing.peak_for(prov["gpu"])
         for r in rows:
-            assert math.isclose(r["tflops"], bench.tflops(r["M"], r["N"], r["K"], r["median_ms"]), rel_tol=1e-9)
+            assert math.isclose(r["tflops"], timing.tflops(r["M"], r["N"], r["K"], r["median_ms"]), rel_tol=1e-9)
             assert math.isclose(r["mfu"], r["tflops"] / peak, rel_tol=1e-9)
             assert r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
             # the stage count the record names is the one the solver gives for that problem and mode
-            cfg = kernel_config("v2", Problem(r["M"], r["N"], r["K"], r["R"]), 2, lora_accounting=r["accounting"])
+            cfg = gemm.bind(replace(repro.LORA_BUG_CONFIG, lora_accounting=r["accounting"]), Problem(r["M"], r["N"], r["K"], r["R"]))
             assert smem.solve(cfg, k=r["K"]).stages["main"] == r["main_stages"]
         for s in repro.lora_bug_summary(rows):
             assert s["stages_per_cta"] >= s["stages_pair"]
@@ -104,11 +108,13 @@ def test_plot_lora_bug(tmp_path):
 def test_recorded_sweeps_are_consistent():
     for path, prov, rows in _records("sweep_stages"):
         assert records.validate(prov) and prov["command"].startswith("w4a4-book sweep-stages"), path.name
-        peak = bench.peak_for(prov["gpu"])
+        peak = timing.peak_for(prov["gpu"])
         for key, c in sweep.curves(rows).items():
             v, M, N, K, R, cn = key
             assert [M, N, K, R] in prov["shapes"], (path.name, key)
-            assert sorted(c) == list(range(1, sweep.max_stages(v, Problem(M, N, K, R), cn) + 1)), (path.name, key)
+            config = sweep.curve_config(key)          # the recorded `version` is the kernel's registry name
+            assert (gemm.spec_for(config).kernel, gemm.cluster_size(config)) == (v, cn)
+            assert sorted(c) == list(range(1, sweep.max_stages(config, Problem(M, N, K, R)) + 1)), (path.name, key)
             assert all(math.isclose(r["mfu"], r["tflops"] / peak, rel_tol=1e-9) for r in c.values())
 
 
@@ -121,6 +127,14 @@ def test_sweep_marks_lie_on_the_recorded_curves():
         assert set(m) == set(smem.LORA_ACCOUNTING) and m["per_cta"] >= m["pair"]
         assert m["per_cta"] == max(cs[key])            # the fix picks the deepest point swept
         assert m["pair"] in cs[key]
+
+
+def test_solver_marks_and_max_stages_take_configs():
+    p = Problem(4352, 3072, 3840, 128)
+    assert sweep.solver_marks(smem.HopperV2Config(cluster_n=2), p) == {"per_cta": 3, "pair": 1}
+    assert sweep.solver_marks(smem.HopperV2Config(), p) == {"per_cta": 3, "pair": 3}      # one CTA: no pair, no bug
+    assert sweep.max_stages(smem.HopperV1Config(stages=2), p) == 5   # the top of the sweep, not the pinned count
+    assert sweep.SWEEP_CONFIGS == (smem.HopperV1Config(), smem.HopperV2Config())
 
 
 def test_curves_reject_duplicates():
@@ -141,7 +155,7 @@ def test_plot_sweep_and_table(tmp_path):
 @pytest.fixture
 def no_kernel(monkeypatch):
     "Take the no-GPU path even on a GPU machine: nothing is measured and nothing is written."
-    monkeypatch.setattr(bench, "kernel_unavailable", lambda: "test: GPU path disabled")
+    monkeypatch.setattr(workloads, "kernel_unavailable", lambda config=None: "test: GPU path disabled")
 
 
 def test_repro_cli_without_gpu_prints_accounting_and_recorded(no_kernel, capsys):
@@ -159,30 +173,42 @@ def test_sweep_cli_without_gpu_prints_recorded(no_kernel, capsys):
         assert f"recorded: `{path.name}`" in out and f"Re-measure: `{prov['command']}`" in out
 
 
+def test_sweep_cli_rejects_a_bad_cluster(no_kernel, capsys):
+    assert main(["sweep-stages", "--cluster-n", "3"]) == 2
+    assert "cluster_n=3" in capsys.readouterr().err
+
+
+def test_recorded_sweep_commands_still_parse():
+    "A record's command names kernels by registry name (`--versions`), so it re-runs as written."
+    for path, prov, _ in _records("sweep_stages"):
+        args = parser("sweep-stages").parse_args(prov["command"].split()[1:])
+        assert [gemm.find_kernel(v).kernel for v in args.versions] == args.versions, path.name
+
+
 # ---------------------------------------------------------------- the GPU path, with the GPU faked
 def test_measure_lora_bug_rows_with_a_fake_gpu(monkeypatch):
     "The measurement's bookkeeping on the CPU: the kernel and the timer are stand-ins, everything else is real."
-    from w4a4_book import sm90
     from w4a4_book.reference import w4a4_gemm_ref
     ms = {repro.BUG: 2.0, repro.FIX: 1.0}
 
-    def fake_launcher(*ops, version, cluster_n, lora_accounting):
-        assert (version, cluster_n) == ("v2", 2)
-        out = torch.empty(ops[0].rows, ops[1].rows, dtype=torch.bfloat16)
+    def fake_launcher(*ops, out_dtype, config):
+        assert (gemm.spec_for(config).kernel, config.cluster_n) == ("v2", 2)
+        assert replace(config, lora_accounting=repro.FIX) == repro.LORA_BUG_CONFIG   # only the accounting differs
+        out = torch.empty(ops[0].rows, ops[1].rows, dtype=out_dtype)
         def launch(): out.copy_(w4a4_gemm_ref(*ops))
-        launch.ms = ms[lora_accounting]
+        launch.ms = ms[config.lora_accounting]
         return launch, out
 
-    real_make_problem = bench.make_problem
+    real_make_workload = workloads.make_workload
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    monkeypatch.setattr(bench, "make_problem", lambda *a, **k: real_make_problem(*a, device="cpu", **k))
-    monkeypatch.setattr(bench, "time_cuda", lambda fn, **k: bench.summarize_times([fn.ms] * k["iters"]))
-    monkeypatch.setattr(sm90, "gemm_launcher", fake_launcher)
+    monkeypatch.setattr(workloads, "make_workload", lambda *a, **k: real_make_workload(*a, device="cpu", **k))
+    monkeypatch.setattr(timing, "time_cuda", lambda fn, **k: timing.summarize_times([fn.ms] * k["iters"]))
+    monkeypatch.setattr(gemm, "gemm_launcher", fake_launcher)
     rows = repro.measure_lora_bug([(128, 256, 256, 128)], iters=20, quiet=True)
     assert [r["accounting"] for r in rows] == [repro.BUG, repro.FIX]
     assert [r["main_stages"] for r in rows] == [1, 2]          # K=256: two K-blocks cap the fix at 2
     assert all(r["fixed_over_bug"] == 2.0 and r["rel_err"] < 2 ** -8 for r in rows)
-    assert math.isclose(rows[1]["mfu"], bench.tflops(128, 256, 256, 1.0) / bench.peak_for("NVIDIA H200"))
+    assert math.isclose(rows[1]["mfu"], timing.tflops(128, 256, 256, 1.0) / timing.peak_for("NVIDIA H200"))
     assert "fixed/bug" in repro.lora_bug_table(rows)
 
 
@@ -190,15 +216,14 @@ def test_measure_lora_bug_rows_with_a_fake_gpu(monkeypatch):
 @pytest.mark.gpu
 def test_accounting_modes_match_reference():
     "The bug cannot fail a correctness test: v2 2-CTA at 1 stage (bug) and 3 stages (fix) both match the reference."
-    from test_sm90 import check_against_ref, make_case
-    from w4a4_book.sm90 import gemm_w4a4
+    from test_kernels import check_against_ref, make_case
     M, N, K, R = 300, 1024, 1024, 128
-    stages = {a: smem.solve(kernel_config("v2", Problem(M, N, K, R), 2, lora_accounting=a), k=K).stages["main"]
-              for a in smem.LORA_ACCOUNTING}
+    configs = {a: replace(repro.LORA_BUG_CONFIG, lora_accounting=a) for a in smem.LORA_ACCOUNTING}
+    stages = {a: smem.solve(gemm.bind(c, Problem(M, N, K, R)), k=K).stages["main"] for a, c in configs.items()}
     assert stages == {"per_cta": 3, "pair": 1}
     case = make_case(M, N, K, R, seed=6)
-    for acct in smem.LORA_ACCOUNTING:
+    for acct, config in configs.items():
         out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-        gemm_w4a4(*case, version="v2", cluster_n=2, lora_accounting=acct, out=out)
+        gemm.gemm_w4a4(*case, config=config, out=out)
         torch.cuda.synchronize()
         check_against_ref(out, case, torch.bfloat16)

@@ -1,6 +1,14 @@
-"tools/ncu_stalls.py: the parser of ncu's CSV details page (the profiling itself needs a GPU and ncu)."
+"tools/ncu_stalls.py: the parser of ncu's CSV pages, the kernel it names, and the roles and grid it attributes samples to (the profiling itself needs a GPU and ncu)."
 import importlib.util
+import shlex
 from pathlib import Path
+
+import pytest
+
+from w4a4_book import gemm
+from w4a4_book.operands import Problem
+from w4a4_book.records import data_dir, list_records, load_record
+from w4a4_book.smem import HopperV1Config, HopperV2Config
 
 spec = importlib.util.spec_from_file_location("ncu_stalls", Path(__file__).resolve().parent.parent / "tools" / "ncu_stalls.py")
 ncu_stalls = importlib.util.module_from_spec(spec)
@@ -50,9 +58,38 @@ def test_source_samples_by_role():
 
 def test_roles_come_from_the_kernel():
     "v2's role names and warp counts are its WarpRoles'; v1 is one role of all its warps."
-    from w4a4_book.sm90 import Problem, build_kernel
-    v2, _ = build_kernel("v2", Problem(256, 256, 256, 16))
-    v1, _ = build_kernel("v1", Problem(256, 256, 256, 16))
+    v2, _ = gemm.build(HopperV2Config(), Problem(256, 256, 256, 16))
+    v1, _ = gemm.build(HopperV1Config(), Problem(256, 256, 256, 16))
     r = v2.roles
     assert ncu_stalls.kernel_roles(v2) == {r.load_regs: ("load", 4), r.decode_regs: ("decode", 4), r.mma_regs: ("mma", 8)}
     assert ncu_stalls.kernel_roles(v1) == {None: ("all", 8)}
+
+
+def test_kernel_is_a_registry_name():
+    "`--kernel` names a registry row, run with its config at every default; no name is the default kernel."
+    assert ncu_stalls.kernel_config("v1")[1] == HopperV1Config()
+    assert ncu_stalls.kernel_config("v2")[1] == HopperV2Config()
+    spec, config = ncu_stalls.kernel_config(None)
+    assert spec.kernel == gemm.find_kernel().kernel and config == gemm.default_config()
+    with pytest.raises(ValueError, match="kernel"):
+        ncu_stalls.kernel_config("v3")
+
+
+@pytest.mark.parametrize("path", list_records("ncu"), ids=lambda p: p.name)
+def test_recorded_commands_still_parse(path):
+    "Every ncu record's command, written with `--version` before the registry, parses to the kernel its `version` field names."
+    prov, _ = load_record(path)
+    args = ncu_stalls.parser().parse_args(shlex.split(prov["command"])[2:])
+    assert ncu_stalls.kernel_config(args.kernel)[0].kernel == prov["version"]
+    assert args.roles == (prov["kind"] == "ncu-roles")
+
+
+def test_grid_matches_the_recorded_roles():
+    "The CTAs and K-blocks per CTA the role attribution divides by are those of the recorded profiles (H200: 132 SMs)."
+    for v in ("v1", "v2"):
+        prov, _ = load_record(data_dir() / f"ncu_roles_h200_{v}.json")
+        M, N, K, R = prov["shapes"][0]
+        kern, _ = gemm.build(ncu_stalls.kernel_config(prov["version"])[1], Problem(M, N, K, R), gemm.DEFAULT_NUM_SMS)
+        ctas = ncu_stalls.launched_ctas(kern, M, N)
+        assert ctas == prov["ctas"], v
+        assert -(-M // kern.bm) * (N // kern.bn) * (K // kern.bk) / ctas == prov["k_blocks_per_cta"], v

@@ -1,7 +1,11 @@
 """Profile one W4A4 kernel launch with Nsight Compute and save where its warps' cycles go, as a record.
 
-    python tools/ncu_stalls.py --version v2 --shape 4352 3072 3840 32 --out nbs/data/ncu_h200_v2.json
-    python tools/ncu_stalls.py --roles --version v2 --shape 4352 3072 3840 32 --out nbs/data/ncu_roles_h200_v2.json
+    python tools/ncu_stalls.py --kernel v2 --shape 4352 3072 3840 32 --out nbs/data/ncu_h200_v2.json
+    python tools/ncu_stalls.py --roles --kernel v2 --shape 4352 3072 3840 32 --out nbs/data/ncu_roles_h200_v2.json
+
+`--kernel` is a kernel's name in the registry of `w4a4_book.gemm` (default: the format's default kernel), run with
+its config at every default, `gemm.find_kernel(name).config()`. Records made before the registry existed name it
+with `--version`, which is still accepted, and every record keeps the name in its `version` field.
 
 With `--roles` the record holds, per warp role, where that role's warps were sampled (ncu's per-instruction
 warp-state samples, from the source page) and how many instructions each of its warps executes per K-block.
@@ -21,14 +25,21 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpSt
 DETAILS = ("--print-details", "all")   # also the metrics behind each section's charts: stall reasons, pipe shares
 WARMUP = 3
 
-def child(version, shape):
-    "Runs inside ncu: build one problem and launch the kernel WARMUP + 1 times."
-    import torch
+def kernel_config(name):
+    "The registry's kernel `name` (None: the default kernel) as `(spec, config)`, its config at every default."
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from w4a4_book.bench import make_problem
-    from w4a4_book.sm90 import gemm_launcher
-    p = make_problem(*shape)
-    launch, _ = gemm_launcher(*p.operands, version=version)
+    from w4a4_book import gemm
+    spec = gemm.find_kernel(name)
+    return spec, spec.config()
+
+def child(name, shape):
+    "Runs inside ncu: build one workload and launch the kernel `name` WARMUP + 1 times."
+    import torch
+    from w4a4_book import gemm
+    from w4a4_book.bench.workloads import make_workload
+    _, config = kernel_config(name)
+    w = make_workload(*shape)
+    launch, _ = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=config)
     for _ in range(WARMUP + 1):
         launch()
     torch.cuda.synchronize()
@@ -70,7 +81,8 @@ def kernel_roles(kernel):
     "`{setmaxnreg count: (role, warps)}` of a v2 kernel object (its `WarpRoles`), or `{None: ('all', warps)}` for v1."
     r = getattr(kernel, "roles", None)
     if r is None: return {None: ("all", kernel.threads // 32)}
-    return {r.load_regs: ("load", 4), r.decode_regs: ("decode", len(r.decode_warps)), r.mma_regs: ("mma", len(r.mma_warps))}
+    load_warps = r.decode_warps[0]                # every warp below the decode warpgroup sets `load_regs`
+    return {r.load_regs: ("load", load_warps), r.decode_regs: ("decode", len(r.decode_warps)), r.mma_regs: ("mma", len(r.mma_warps))}
 
 def by_role(instrs, k_blocks_per_cta, ctas, roles_by_regs):
     """Attribute per-instruction samples to warp roles (`roles_by_regs` as from `kernel_roles`). Returns
@@ -106,16 +118,24 @@ def by_role(instrs, k_blocks_per_cta, ctas, roles_by_regs):
         out[role] = m
     return out
 
-def main(argv=None):
+def parser():
+    "The options: which kernel, which shape, where the record goes, and `--roles`."
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--version", choices=("v1", "v2"), default="v2")
+    ap.add_argument("--kernel", default=None, help="the kernel's registry name, e.g. v1 or v2 (default: the default kernel)")
+    ap.add_argument("--version", dest="kernel", help=argparse.SUPPRESS)   # the older records' spelling of --kernel
     ap.add_argument("--shape", nargs=4, type=int, default=[4352, 3072, 3840, 32], metavar=("M", "N", "K", "R"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--roles", action="store_true", help="per-role samples from the source page (see the docstring)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
+    return ap
+
+def main(argv=None):
+    "Profile the kernel `argv` names and save the record; with `--child`, be the process ncu profiles."
+    a = parser().parse_args(argv)
+    spec, config = kernel_config(a.kernel)            # an unknown name fails here, naming it
+    a.kernel = spec.kernel
     if a.child:
-        return child(a.version, a.shape)
+        return child(a.kernel, a.shape)
     def profile(extra):
         return subprocess.run(ncu_command(a, "--csv", "--page", "details", *[x for s in SECTIONS for x in ("--section", s)],
                                           *extra), capture_output=True, text=True)
@@ -131,16 +151,25 @@ def main(argv=None):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from w4a4_book.records import provenance, save_record
     ncu_version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    command = "python tools/ncu_stalls.py " + shlex.join(["--version", a.version, "--shape", *map(str, a.shape), "--out", str(a.out)])
-    prov = provenance(command, [a.shape], kind="ncu", version=a.version, ncu=ncu_version, sections=list(SECTIONS),
-                      kernel=kernel)
+    command = "python tools/ncu_stalls.py " + shlex.join(["--kernel", a.kernel, "--shape", *map(str, a.shape), "--out", str(a.out)])
+    prov = provenance(command, [a.shape], kind="ncu", version=a.kernel, config=repr(config), ncu=ncu_version,
+                      sections=list(SECTIONS), kernel=kernel)
     rows = [dict(section=s, metric=m, value=v) for s, d in metrics.items() for m, v in d.items()]
     print(f"saved {save_record(a.out, prov, rows)}")
 
 def ncu_command(a, *options):
-    "ncu with `options`, profiling the last of this script's child launches for `a.version` and `a.shape`."
+    "ncu with `options`, profiling the last of this script's child launches for `a.kernel` and `a.shape`."
     return ["ncu", "--kernel-name", "regex:kernel_cutlass_kernel_w4a4", "--launch-skip", str(WARMUP), "--launch-count", "1",
-            *options, sys.executable, __file__, "--child", "--version", a.version, "--shape", *map(str, a.shape), "--out", "-"]
+            *options, sys.executable, __file__, "--child", "--kernel", a.kernel, "--shape", *map(str, a.shape), "--out", "-"]
+
+def launched_ctas(kern, M, N):
+    "CTAs the kernel object `kern` launches for an `M`×`N` output: one per tile (v1), or its persistent scheduler's grid (v2)."
+    tiles = -(-M // kern.bm) * (N // kern.bn)
+    sched = getattr(kern, "Scheduler", None)
+    if sched is None:
+        return tiles
+    mc = kern.cluster_n
+    return sched(-(-M // kern.bm), N // (kern.bn * mc), mc).clusters(kern.num_sms) * mc
 
 def roles_main(a):
     "`--roles`: profile with source counters, attribute them to roles, save the record."
@@ -153,18 +182,20 @@ def roles_main(a):
             sys.exit(f"ncu failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
         src = subprocess.run(["ncu", "-i", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
                              capture_output=True, text=True, check=True).stdout
-    M, N, K, R = a.shape
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import torch
+    from w4a4_book import gemm
+    from w4a4_book.operands import Problem
     from w4a4_book.records import provenance, save_record
-    from w4a4_book.sm90 import build_kernel, Problem
-    kern, _ = build_kernel(a.version, Problem(M, N, K, R))
+    _, config = kernel_config(a.kernel)
+    kern, _ = gemm.build(config, Problem(*a.shape), gemm.sm_count(torch.cuda.current_device()))   # the grid that ran
+    M, N, K, R = a.shape
     tiles = -(-M // kern.bm) * (N // kern.bn)
-    ctas = min(tiles, getattr(kern, "num_sms", tiles))                # v2 is persistent; v1 runs one CTA per tile
+    ctas = launched_ctas(kern, M, N)
     k_blocks = tiles * (K // kern.bk) / ctas
     roles = by_role(parse_source(src), k_blocks, ctas, kernel_roles(kern))
     ncu_version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    command = "python tools/ncu_stalls.py " + shlex.join(["--roles", "--version", a.version, "--shape", *map(str, a.shape), "--out", str(a.out)])
-    prov = provenance(command, [a.shape], kind="ncu-roles", version=a.version, ncu=ncu_version,
+    command = "python tools/ncu_stalls.py " + shlex.join(["--roles", "--kernel", a.kernel, "--shape", *map(str, a.shape), "--out", str(a.out)])
+    prov = provenance(command, [a.shape], kind="ncu-roles", version=a.kernel, config=repr(config), ncu=ncu_version,
                       k_blocks_per_cta=k_blocks, ctas=ctas)
     rows = [dict(role=r, metric=m, value=v) for r, d in roles.items() for m, v in d.items()]
     print(f"saved {save_record(a.out, prov, rows)}")

@@ -9,7 +9,8 @@ import torch
 
 from .formats import QTensor, quantize, to_int4_pg
 from .layers import SMOOTH_ALPHA, low_rank, smooth_factors
-from .reference import LORA_RANK_MULTIPLE, w4a4_gemm_ref
+from .operands import LORA_RANK_MULTIPLE
+from .reference import w4a4_gemm_ref
 
 # %% auto #0
 __all__ = ['DISTRIBUTIONS', 'N_OUTLIER_CHANNELS', 'OUTLIER_SCALE', 'N_MASSIVE_CHANNELS', 'MASSIVE_SCALE', 'WEIGHT_RANK',

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import importlib.util
 import os
 import re
 import shutil
@@ -42,12 +43,12 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "render": Command("w4a4_book.cli", "build the book into _docs/ with smalldocs, offline",
                       add="render_arguments", run="render_command"),
-    "compile": Command("w4a4_book.sm90", "compile a kernel for sm_90a with no GPU and report its shared memory and PTX",
+    "compile": Command("w4a4_book.gemm", "compile a kernel for sm_90a with no GPU and report its shared memory and PTX",
                        add="compile_arguments", run="compile_command"),
-    "bench": Command("w4a4_book.bench", "time the W4A4 kernels against torch baselines on a Hopper GPU"),
+    "bench": Command("w4a4_book.bench.report", "time the W4A4 kernels against torch baselines on a Hopper GPU"),
     "repro": Command("w4a4_book.repro", "reproduce the LoRA accounting experiment (recorded data without a GPU)"),
     "sweep-stages": Command("w4a4_book.sweep", "measure MFU against the main K-loop stage count on a Hopper GPU"),
-    "bench-layer": Command("w4a4_book.layers", "time the whole W4A4Linear forward against torch layers on a Hopper GPU"),
+    "bench-layer": Command("w4a4_book.bench.layer", "time the whole W4A4Linear forward against torch layers on a Hopper GPU"),
 }
 
 # %% ../nbs/13_cli.ipynb #1f6cbe18
@@ -330,10 +331,9 @@ def render_arguments(p: argparse.ArgumentParser) -> None:
 
 def render_command(args: argparse.Namespace) -> int:
     "Run `w4a4-book render`: build the book and say where it went."
-    try:
-        import nbdev, smalldocs  # noqa: F401  (the docs tools are dev extras)
-    except ImportError as e:
-        print(f"render needs the dev extras ({e.name} is missing): pip install -e '.[dev]'", file=sys.stderr)
+    missing = next((m for m in ("nbdev", "smalldocs") if importlib.util.find_spec(m) is None), None)
+    if missing:                                  # the docs tools are dev extras
+        print(f"render needs the dev extras ({missing} is missing): pip install -e '.[dev]'", file=sys.stderr)
         return 1
     dest = render_book(dest=args.dest, engine=args.engine, quiet=args.quiet)
     print(f"render: wrote {os.path.relpath(dest)}")

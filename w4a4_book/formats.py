@@ -13,9 +13,9 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['GROUP_SIZE', 'FORMATS', 'INT_FORMATS', 'QFORMATS', 'INT4_MIN', 'INT4_MAX', 'E2M1_MAX', 'E4M3_MAX', 'SCALE_DTYPES',
-           'INPUT_DTYPES', 'PG_GROUP', 'PG_U_MAX', 'INT8_MAX', 'INT_MAX_ABS', 'K_MULTIPLE', 'CONVERT_RULES',
-           'check_fmt', 'decode_table', 'pack_nibbles', 'unpack_nibbles', 'unpack_int4', 'QTensor', 'quantize',
-           'dequantize', 'to_int4_pg']
+           'INPUT_DTYPES', 'PG_GROUP', 'PG_U_MAX', 'INT8_MAX', 'INT_MAX_ABS', 'K_MULTIPLE', 'INT_RANGE_LIMIT',
+           'CONVERT_RULES', 'check_fmt', 'decode_table', 'pack_nibbles', 'unpack_nibbles', 'unpack_int4', 'QTensor',
+           'quantize', 'dequantize', 'to_int4_pg']
 
 # %% ../nbs/01_formats.ipynb #e29f6a35
 GROUP_SIZE = {"int4": 64, "nvfp4": 16}   # the 4-bit formats with one float scale per group
@@ -224,6 +224,8 @@ def _quantize_nvfp4(x: torch.Tensor) -> QTensor:
     return QTensor(pack_nibbles(codes), block.T.contiguous(), "nvfp4", gs)
 
 # %% ../nbs/01_formats.ipynb #1cca3eb3
+INT_RANGE_LIMIT = 2.0 ** 127   # int4_pg, int8: |x| below it keeps every code·base a finite float32 (FLT_MAX ≈ 2^128)
+
 def quantize(x: torch.Tensor, fmt: str, scale_dtype: Optional[torch.dtype] = None) -> QTensor:
     "Quantize `x` `[rows, K]` to `fmt` by the rules of this chapter; `scale_dtype` picks int4's scale type (float16 default)."
     check_fmt(fmt, QFORMATS)
@@ -232,6 +234,9 @@ def quantize(x: torch.Tensor, fmt: str, scale_dtype: Optional[torch.dtype] = Non
     if not torch.isfinite(x).all():
         raise ValueError("x must be finite (no inf or NaN)")
     x = x.float()
+    if fmt in INT_FORMATS and x.numel() and float(x.abs().max()) >= INT_RANGE_LIMIT:
+        raise ValueError(f"x has a value of magnitude >= 2^127: its float32 base times an integer code of {fmt} "
+                         "could round past the largest float32")
     if fmt == "int4":
         return _quantize_int4(x, scale_dtype)
     if fmt == "nvfp4":

@@ -5,20 +5,21 @@
 # %% ../nbs/08_layer.ipynb #8b91c046
 from __future__ import annotations
 
-from importlib import import_module
 from typing import Optional
 
 import torch
 from fastcore.basics import patch
 from torch import nn
 
-from .formats import GROUP_SIZE, QTensor, check_fmt, quantize
-from .reference import LORA_RANK_MULTIPLE, w4a4_gemm_ref
+from . import gemm, operands
+from . import formats
+from .formats import K_MULTIPLE, QTensor, check_fmt, quantize
+from .operands import LORA_RANK_MULTIPLE
+from .reference import w4a4_gemm_ref
 
 # %% auto #0
-__all__ = ['SMOOTH_ALPHA', 'BACKENDS', 'KERNEL_VERSIONS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'SM90_CAPABILITY', 'SM90_K_MULTIPLE',
-           'SM90_N_MULTIPLE', 'SM90_MAX_RANK', 'LAYER_PATHS', 'EAGER_ONLY', 'smooth_factors', 'low_rank', 'W4A4Linear',
-           'layer_paths', 'run_layer_bench', 'layer_table', 'add_arguments', 'run']
+__all__ = ['SMOOTH_ALPHA', 'BACKENDS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'ACT_FORMATS', 'smooth_factors',
+           'low_rank', 'W4A4Linear']
 
 # %% ../nbs/08_layer.ipynb #f9cd34a0
 SMOOTH_ALPHA = 0.5   # migration strength of SmoothQuant (Xiao et al., 2023), also SVDQuant's default
@@ -44,48 +45,41 @@ def low_rank(w: torch.Tensor, rank: int) -> tuple:
 
 # %% ../nbs/08_layer.ipynb #ab190ea8
 BACKENDS = ("auto", "reference", "sm90")
-KERNEL_VERSIONS = ("v1", "v2")
 LAYER_DTYPES = (torch.bfloat16, torch.float16)
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WEIGHT_FORMATS = ("int4", "nvfp4", "int4_pg")       # what the residual weight can be stored as
+ACT_FORMATS = {"int4_pg": ("int4_pg", "int8")}      # activation formats other than the weights' own (W4A8)
 
-def _check_layer_args(in_features, out_features, rank, fmt, dtype, backend, kernel_version) -> None:
-    "Raise, naming the argument, unless the layer configuration is valid."
-    check_fmt(fmt)
-    for name, v in (("in_features", in_features), ("out_features", out_features), ("rank", rank)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be an int, not {type(v).__name__}")
-    if in_features <= 0 or out_features <= 0:
-        raise ValueError(f"in_features={in_features} and out_features={out_features} must be positive")
-    if in_features % GROUP_SIZE[fmt]:
-        raise ValueError(f"in_features={in_features} is not a multiple of the {fmt} group size {GROUP_SIZE[fmt]}")
-    if rank < 0 or rank % LORA_RANK_MULTIPLE:
-        raise ValueError(f"rank={rank} must be 0 or a positive multiple of {LORA_RANK_MULTIPLE}")
-    if rank > min(in_features, out_features):
-        raise ValueError(f"rank={rank} exceeds min(in_features, out_features) = {min(in_features, out_features)}")
-    if dtype not in LAYER_DTYPES:
-        raise ValueError(f"dtype={dtype} must be one of {LAYER_DTYPES}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
-    if kernel_version not in KERNEL_VERSIONS:
-        raise ValueError(f"kernel_version={kernel_version!r} must be one of {KERNEL_VERSIONS}")
+def _check_layer_args(in_features, out_features, rank, fmt, dtype, backend, kernel_config, act_fmt=None) -> None:
+    "Raise, naming the argument, unless the layer configuration is valid (the rules live in `operands`)."
+    check_fmt(fmt, WEIGHT_FORMATS)
+    if act_fmt is not None and act_fmt not in ACT_FORMATS.get(fmt, (fmt,)):
+        raise ValueError(f"act_fmt={act_fmt!r}: with fmt={fmt!r} the activations can be one of {ACT_FORMATS.get(fmt, (fmt,))}")
+    operands.check_layer_args(in_features, out_features, rank, fmt, dtype, group_size=K_MULTIPLE[fmt],
+                              rank_multiple=LORA_RANK_MULTIPLE, dtypes=LAYER_DTYPES, backend=backend, backends=BACKENDS)
+    if kernel_config is not None:
+        gemm.spec_for(kernel_config)          # raises naming `config` unless it is a registered kernel's config
 
 # %% ../nbs/08_layer.ipynb #3e741e63
 class W4A4Linear(nn.Module):
     "A linear layer computing `x @ W.T + b` as 4-bit activations times 4-bit weights plus a 16-bit low-rank branch."
     def __init__(self, in_features: int, out_features: int, rank: int = 32, fmt: str = "int4", bias: bool = True,
-                 *, dtype: torch.dtype = torch.bfloat16, backend: str = "auto", kernel_version: str = "v2",
+                 *, dtype: torch.dtype = torch.bfloat16, backend: str = "auto", kernel_config=None, act_fmt=None,
                  device=None):
         super().__init__()
-        _check_layer_args(in_features, out_features, rank, fmt, dtype, backend, kernel_version)
+        _check_layer_args(in_features, out_features, rank, fmt, dtype, backend, kernel_config, act_fmt)
         self.in_features, self.out_features, self.rank, self.fmt, self.dtype = in_features, out_features, rank, fmt, dtype
-        self.backend, self.kernel_version = backend, kernel_version
+        self.act_fmt = act_fmt or fmt                                # "int8": per-token int8 activations (W4A8)
+        self.backend, self.kernel_config = backend, kernel_config   # None: the fastest verified kernel for `fmt`
         self.last_backend: Optional[str] = None
-        K, N, G = in_features, out_features, GROUP_SIZE[fmt]
+        K, N, G = in_features, out_features, K_MULTIPLE[fmt]
         half = dict(dtype=dtype, device=device)
         self.register_buffer("qweight_data", torch.zeros(N, K // 2, dtype=torch.uint8, device=device))
         self.register_buffer("qweight_scales", torch.zeros(K // G, N, dtype=self.scale_dtype, device=device))
         self.register_buffer("qweight_global_scale",
                              torch.ones((), dtype=torch.float32, device=device) if fmt == "nvfp4" else None)
+        self.register_buffer("qweight_base", torch.zeros(N, dtype=torch.float32, device=device) if fmt == "int4_pg" else None)
+        if fmt == "int4_pg": self.qweight_scales.fill_(1)          # u lies in [1, 15]
         self.register_buffer("lora_down", torch.zeros(K, rank, **half))
         self.register_buffer("lora_up", torch.zeros(N, rank, **half))
         self.register_buffer("smooth", torch.ones(K, **half))
@@ -94,34 +88,36 @@ class W4A4Linear(nn.Module):
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        "The dtype of the 4-bit group scales: the layer's `dtype` for int4, FP8 E4M3 for nvfp4."
-        return self.dtype if self.fmt == "int4" else torch.float8_e4m3fn
+        "The dtype of the 4-bit group scales: the layer's `dtype` for int4, FP8 E4M3 for nvfp4, uint8 (`u`) for int4_pg."
+        return {"int4": self.dtype, "nvfp4": torch.float8_e4m3fn, "int4_pg": torch.uint8}[self.fmt]
 
     @property
     def qweight(self) -> QTensor:
         "The quantized residual weight `[N, K]` as a `QTensor` over the layer's buffers."
-        return QTensor(self.qweight_data, self.qweight_scales, self.fmt, self.qweight_global_scale)
+        return QTensor(self.qweight_data, self.qweight_scales, self.fmt, self.qweight_global_scale, self.qweight_base)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
-                f"fmt={self.fmt!r}, dtype={self.dtype}, backend={self.backend!r}")
+                f"fmt={self.fmt!r}" + (f", act_fmt={self.act_fmt!r}" if self.act_fmt != self.fmt else "")
+                + f", dtype={self.dtype}, backend={self.backend!r}")
 
 # %% ../nbs/08_layer.ipynb #36d4eefb
 @patch(cls_method=True)
 def from_linear(cls: W4A4Linear, linear: nn.Linear, rank: int = 32, fmt: str = "int4",
                 act_sample: Optional[torch.Tensor] = None, *, alpha: float = SMOOTH_ALPHA,
-                dtype: torch.dtype = torch.bfloat16, backend: str = "auto", kernel_version: str = "v2") -> W4A4Linear:
-    "Convert `linear` by SVDQuant: smooth with `act_sample` if given, split off a rank-`rank` branch, quantize the rest."
+                dtype: torch.dtype = torch.bfloat16, backend: str = "auto", kernel_config=None, act_fmt=None) -> W4A4Linear:
+    """Convert `linear` by SVDQuant: smooth with `act_sample` if given, split off a rank-`rank` branch, quantize the rest
+    to `fmt`; `act_fmt="int8"` (with int4_pg weights) quantizes the activations per token to int8 instead (W4A8)."""
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"linear must be a torch.nn.Linear, not {type(linear).__name__}")
     K, N = linear.in_features, linear.out_features
-    _check_layer_args(K, N, rank, fmt, dtype, backend, kernel_version)
+    _check_layer_args(K, N, rank, fmt, dtype, backend, kernel_config, act_fmt)
     w = linear.weight.detach().float()
     lam = smooth_factors(act_sample, w, alpha) if act_sample is not None else torch.ones(K, device=w.device)
     lam = lam.clamp(torch.finfo(dtype).tiny, torch.finfo(dtype).max).to(dtype)
     w_hat = w * lam.float()
     layer = cls(K, N, rank, fmt, linear.bias is not None, dtype=dtype, backend=backend,
-                kernel_version=kernel_version, device=w.device)
+                kernel_config=kernel_config, act_fmt=act_fmt, device=w.device)
     if rank:
         up, down = low_rank(w_hat, rank)
         layer.lora_up.copy_(up)
@@ -132,6 +128,8 @@ def from_linear(cls: W4A4Linear, linear: nn.Linear, rank: int = 32, fmt: str = "
     layer.qweight_scales.copy_(q.scales)
     if fmt == "nvfp4":
         layer.qweight_global_scale.copy_(q.global_scale)
+    if fmt == "int4_pg":
+        layer.qweight_base.copy_(q.base)
     layer.smooth.copy_(lam)
     if linear.bias is not None:
         layer.bias.copy_(linear.bias.detach())
@@ -142,7 +140,7 @@ def from_linear(cls: W4A4Linear, linear: nn.Linear, rank: int = 32, fmt: str = "
 def quantize_input(self: W4A4Linear, x: torch.Tensor) -> tuple:
     "Quantize rows `x` `[M, K]` after smoothing; return `(act, lora_act)`, `lora_act` `[M, R]` or None at rank 0."
     x = x.float()
-    act = quantize(x / self.smooth.float(), self.fmt, self.dtype if self.fmt == "int4" else None)
+    act = quantize(x / self.smooth.float(), self.act_fmt, self.dtype if self.act_fmt == "int4" else None)
     lora_act = (x @ self.lora_down.float()).to(self.dtype) if self.rank else None
     return act, lora_act
 
@@ -150,8 +148,8 @@ def quantize_input(self: W4A4Linear, x: torch.Tensor) -> tuple:
 def quantize_input_fused(self: W4A4Linear, x: torch.Tensor) -> tuple:
     """The sm90 path's `quantize_input`: one kernel ([`quantize_lora_down`](08a_quant.ipynb)) on `x` cast to the
     layer's `dtype`; the same codes and scales as `quantize_input` on that cast."""
-    from w4a4_book.quant import quantize_lora_down
-    return quantize_lora_down(x.to(self.dtype).contiguous(), self.smooth, self.lora_down_t if self.rank else None)
+    return gemm.quantize_lora_down(x.to(self.dtype).contiguous(), self.smooth, self.lora_down_t if self.rank else None,
+                                   fmt=self.act_fmt)
 
 @patch(as_prop=True)
 def lora_down_t(self: W4A4Linear) -> torch.Tensor:
@@ -162,32 +160,33 @@ def lora_down_t(self: W4A4Linear) -> torch.Tensor:
     return self.__dict__["_lora_down_t"]
 
 # %% ../nbs/08_layer.ipynb #f05f81e5
-SM90_CAPABILITY = (9, 0)   # Hopper (H100/H200): compute capability 9.0
-SM90_K_MULTIPLE = 128      # the sm90 kernels' K block: gemm_w4a4 requires K % 128 == 0
-SM90_N_MULTIPLE = 128      # the sm90 kernels' N tile: gemm_w4a4 requires N % 128 == 0
-SM90_MAX_RANK = 256        # quantize_lora_down's wgmma is 64×R with R ≤ 256
+@patch(as_prop=True)
+def gemm_config(self: W4A4Linear):
+    "The kernel config the sm90 backend runs: `kernel_config`, or the format's default (raises naming `fmt` when none exists)."
+    return self.kernel_config if self.kernel_config is not None else gemm.default_config(self.fmt)
 
 @patch
 def why_not_sm90(self: W4A4Linear, x: torch.Tensor) -> Optional[str]:
-    "Why the sm90 kernel cannot compute this layer on input `x`, as a sentence, or None when it can."
+    "Why no sm90 kernel can compute this layer on input `x`, as a sentence, or None when one can."
     if not x.is_cuda:
         return f"x is on {x.device}, not a CUDA device"
-    cap = torch.cuda.get_device_capability(x.device)
-    if cap != SM90_CAPABILITY:
-        return f"x is on a GPU of compute capability {cap}, not {SM90_CAPABILITY}"
-    if self.fmt != "int4":
-        return f"fmt={self.fmt!r}: the sm90 kernel computes int4 only"
-    if self.in_features % SM90_K_MULTIPLE:
-        return f"in_features={self.in_features} is not a multiple of {SM90_K_MULTIPLE}"
-    if self.out_features % SM90_N_MULTIPLE:
-        return f"out_features={self.out_features} is not a multiple of {SM90_N_MULTIPLE}"
-    if self.rank > SM90_MAX_RANK:
-        return f"rank={self.rank} exceeds {SM90_MAX_RANK}, the widest LoRA block the fused activation kernel holds"
     try:
-        import_module("w4a4_book.sm90")
-        import_module("w4a4_book.quant")
-    except ImportError as e:
-        return f"the sm90 kernels cannot be imported ({e})"
+        config = self.gemm_config
+        req = gemm.spec_for(config).kernel_class().requirements(config)
+        from w4a4_book.kernels.sm90_quant import MAX_RANK
+    except (ValueError, TypeError, ImportError) as e:
+        return f"no sm90 kernel: {e}"
+    cap = torch.cuda.get_device_capability(x.device)
+    if cap != req.capability:
+        return f"x is on a GPU of compute capability {cap}, not {req.capability}"
+    if self.rank > MAX_RANK:
+        return f"rank={self.rank} exceeds {MAX_RANK}, the widest LoRA block the fused activation kernel holds"
+    p = operands.Problem(1, self.out_features, self.in_features, self.rank, scale_dtype=self.scale_dtype,
+                         lora_dtype=self.dtype, out_dtype=self.dtype, fmt=self.fmt)
+    try:
+        operands.check_problem(req, p, gemm.cluster_size(config), names={"K": "in_features", "N": "out_features"})
+    except (ValueError, TypeError) as e:
+        return str(e)
     return None
 
 # %% ../nbs/08_layer.ipynb #dc0ecb6b
@@ -210,116 +209,25 @@ def forward(self: W4A4Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, self.in_features)
     lora_up = self.lora_up if self.rank else None
     if reason is None and self.backend != "reference":
-        from w4a4_book.sm90 import gemm_w4a4
+        config = self.gemm_config
         act, lora_act = self.quantize_input_fused(rows)
-        y = gemm_w4a4(act, self.qweight, lora_act, lora_up, self.wcscales, self.bias,
-                      out_dtype=self.dtype, version=self.kernel_version)
-        self.last_backend = f"sm90-{self.kernel_version}"
+        y = gemm.gemm_w4a4(act, self.qweight, lora_act, lora_up, self.wcscales, self.bias, out_dtype=self.dtype, config=config)
+        self.last_backend = f"sm90-{gemm.spec_for(config).kernel}"
     else:
         act, lora_act = self.quantize_input(rows)
         y = w4a4_gemm_ref(act, self.qweight, lora_act, lora_up, self.wcscales, self.bias)
         self.last_backend = "reference"
     return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-# %% ../nbs/08_layer.ipynb #7cb7f5b6
-LAYER_PATHS = ("torch_bf16", "torch_fp8", "w4a4", "w4a4_torch_quant")
-# paths that cannot be captured in a CUDA graph (a failed capture leaves the process unusable, so none is tried)
-EAGER_ONLY = {"w4a4_torch_quant": "formats.quantize checks finiteness on the host, a synchronisation"}
-
-def layer_paths(M: int, K: int, N: int, R: int = 32, seed: int = 0) -> tuple:
-    "`({path: callable}, fp32 reference)` for one `M×K → N` layer with a rank-`R` branch, built on the current GPU."
-    import torch.nn.functional as F
-    from w4a4_book.sm90 import gemm_w4a4
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    lin = nn.Linear(K, N, device="cuda")
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(N, K, device="cuda", generator=g) / K ** 0.5)
-        lin.bias.copy_(torch.randn(N, device="cuda", generator=g) * 0.1)
-    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
-    layer = W4A4Linear.from_linear(lin, rank=R, act_sample=x[:256].float(), dtype=torch.bfloat16, backend="sm90",
-                                   kernel_version="v2")
-    down, up = layer.lora_down, layer.lora_up
-    # the torch paths run the same split: a residual weight plus the LoRA branch, together equal to lin.weight
-    w_res = lin.weight.detach() - up.float() @ down.float().T
-    w, b = w_res.bfloat16(), lin.bias.detach().bfloat16()
-    fmax = torch.finfo(torch.float8_e4m3fn).max
-    sw = (w_res.abs().amax(1, keepdim=True) / fmax).clamp_min(1e-12)
-    wq, sw = (w_res / sw).to(torch.float8_e4m3fn), sw.reshape(1, -1).float()
-    def torch_fp8():
-        sx = (x.float().abs().amax(1, keepdim=True) / fmax).clamp_min(1e-12)
-        xq = (x.float() / sx).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(xq, wq.T, scale_a=sx, scale_b=sw, bias=b, out_dtype=torch.bfloat16, use_fast_accum=True)
-        return y.addmm_(x @ down, up.T)
-    def torch_quant():
-        act, lora_act = layer.quantize_input(x)
-        return gemm_w4a4(act, layer.qweight, lora_act, up, layer.wcscales, layer.bias, version="v2")
-    paths = {"torch_bf16": lambda: F.linear(x, w, b).addmm_(x @ down, up.T), "torch_fp8": torch_fp8,
-             "w4a4": lambda: layer(x), "w4a4_torch_quant": torch_quant}
-    with torch.no_grad():
-        ref = lin(x.float())
-    return paths, ref
-
-def run_layer_bench(shapes, R: int = 32, iters: int = 50, warmup: int = 10, quiet: bool = False, graph: bool = False) -> list:
-    """Time every path of `layer_paths` on every `(M, K, N)`; one row per pair, with TFLOP/s of 2·M·N·K and `rel_err`.
-    With `graph` each path is timed as a CUDA-graph replay (`timing` "graph"), except those of `EAGER_ONLY`."""
-    from w4a4_book.bench import time_cuda, tflops, mfu, rel_err
-    gpu, rows = torch.cuda.get_device_name(), []
-    for M, K, N in shapes:
-        paths, ref = layer_paths(M, K, N, R)
-        for name, fn in paths.items():
-            with torch.no_grad():
-                err = rel_err(fn(), ref)
-                timing = "graph" if graph and name not in EAGER_ONLY else "eager"
-                t = time_cuda(fn, warmup=warmup, iters=iters, graph=timing == "graph")
-            tf = tflops(M, N, K, t["median_ms"])
-            rows.append(dict(method=name, M=M, N=N, K=K, R=R, **t, tflops=tf, mfu=mfu(tf, gpu), rel_err=err, timing=timing))
-            if not quiet: print(f"{M}x{K}->{N} R={R} {name} ({timing}): {t['median_ms']:.3f} ms, {tf:.0f} TFLOP/s, rel_err {err:.1e}", flush=True)
-        del paths, ref
-        torch.cuda.empty_cache()
-    return rows
-
-def layer_table(rows: list) -> str:
-    "Milliseconds per forward and each path's speed-up over `torch_fp8`, one line per shape."
-    from w4a4_book.records import markdown_table
-    by = {(r["method"], r["M"], r["K"], r["N"]): r for r in rows}
-    shapes = list(dict.fromkeys((r["M"], r["K"], r["N"], r["R"]) for r in rows))
-    out = []
-    for M, K, N, R in shapes:
-        base = by[("torch_fp8", M, K, N)]["median_ms"]
-        line = {"M×K→N": f"{M}×{K}→{N}", "R": R}
-        for p in LAYER_PATHS:
-            line[f"{p} ms"] = f"{by[(p, M, K, N)]['median_ms']:.3f}"
-        line["w4a4 / torch_fp8"] = f"{base / by[('w4a4', M, K, N)]['median_ms']:.2f}×"
-        line["w4a4 / w4a4_torch_quant"] = f"{by[('w4a4_torch_quant', M, K, N)]['median_ms'] / by[('w4a4', M, K, N)]['median_ms']:.2f}×"
-        out.append(line)
-    return markdown_table(out)
-
-def add_arguments(p) -> None:
-    "Options of `w4a4-book bench-layer`."
-    p.add_argument("--shapes", choices=("m4352", "m256", "all"), default="all", help="M=4352, M=256 or both, at the benchmark (K, N)")
-    p.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32)")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays: GPU time without the per-call host work")
-    p.add_argument("--out", default=None, help="record path (default: nbs/data/layer_<gpu>.json, or layer_<gpu>_graph.json)")
-
-def run(args) -> int:
-    "Measure on an sm_90 GPU and save a record; elsewhere print the recorded one."
-    from w4a4_book.bench import LAYER_KN, gpu_key
-    from w4a4_book.records import data_dir, list_records, load_record, provenance, save_record
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != SM90_CAPABILITY:
-        for path in list_records("layer"):
-            prov, rows = load_record(path)
-            print(f"recorded on the {prov['gpu']} ({prov['date'][:10]}, commit {prov['commit'][:10]}); re-measure: {prov['command']}")
-            print(layer_table(rows))
-        return 0
-    ms = {"m4352": (4352,), "m256": (256,), "all": (4352, 256)}[args.shapes]
-    shapes = [(M, K, N) for M in ms for K, N in LAYER_KN]
-    graph = args.graph
-    rows = run_layer_bench(shapes, args.rank, args.iters, graph=graph)
-    print(layer_table(rows))
-    gpu = torch.cuda.get_device_name()
-    path = args.out or data_dir() / f"layer_{gpu_key(gpu).lower().replace(' ', '-')}{'_graph' if graph else ''}.json"
-    cmd = f"w4a4-book bench-layer --shapes {args.shapes} --rank {args.rank} --iters {args.iters}" + (" --graph" if graph else "")
-    prov = provenance(cmd, [list(s) for s in shapes], kind="layer", rank=args.rank, timing="cuda_graph" if graph else "eager")
-    print(f"saved {save_record(path, prov, rows)}")
-    return 0
+# %% ../nbs/08_layer.ipynb #b54208db
+@patch
+def to_int4_pg(self: W4A4Linear, act_fmt: Optional[str] = None) -> W4A4Linear:
+    "A copy of this int4 layer with its residual weight converted to int4_pg (`formats.to_int4_pg`), on the same device."
+    if self.fmt != "int4":
+        raise ValueError(f"fmt={self.fmt!r}: to_int4_pg converts an int4 layer")
+    out = W4A4Linear(self.in_features, self.out_features, self.rank, "int4_pg", self.bias is not None, dtype=self.dtype,
+                     backend=self.backend, act_fmt=act_fmt, device=self.qweight_data.device)
+    q = formats.to_int4_pg(self.qweight)
+    sd = {k: v for k, v in self.state_dict().items() if not k.startswith("qweight")}
+    out.load_state_dict({**sd, "qweight_data": q.data, "qweight_scales": q.scales, "qweight_base": q.base})
+    return out

@@ -9,97 +9,12 @@ from typing import Optional
 
 import torch
 
-from .formats import QTensor, check_fmt, decode_table, dequantize, unpack_nibbles
-from .formats import INT_FORMATS, INT_MAX_ABS, QFORMATS
+from .formats import QTensor, decode_table, dequantize, unpack_nibbles
+from .formats import INT_FORMATS
+from .operands import check_operands
 
 # %% auto #0
-__all__ = ['OPERAND_PAIRS', 'INT32_SUM_LIMIT', 'LORA_RANK_MULTIPLE', 'EPILOGUE_DTYPES', 'int32_k_limit', 'check_int32_sum',
-           'check_operands', 'int_accumulator', 'w4a4_gemm_ref', 'w4a4_gemm_dequant', 'w4a4_gemm_exact']
-
-# %% ../nbs/02_reference.ipynb #5f3de0cd
-OPERAND_PAIRS = (("int4", "int4"), ("nvfp4", "nvfp4"), ("int4_pg", "int4_pg"), ("int8", "int4_pg"))   # (act, wgt)
-INT32_SUM_LIMIT = 2**31   # an INT8 wgmma's accumulator is int32, and .satfinite saturates silently beyond it
-
-def int32_k_limit(act_fmt: str, wgt_fmt: str) -> Optional[int]:
-    "Largest K for which `K * max|a| * max|w| < 2^31` for these formats; None for formats summed group by group."
-    for name, f in (("act_fmt", act_fmt), ("wgt_fmt", wgt_fmt)):
-        if not isinstance(f, str) or f not in QFORMATS:
-            raise ValueError(f"{name}={f!r} is not a known format; expected one of {QFORMATS}")
-    if act_fmt not in INT_MAX_ABS or wgt_fmt not in INT_MAX_ABS:
-        return None
-    return (INT32_SUM_LIMIT - 1) // (INT_MAX_ABS[act_fmt] * INT_MAX_ABS[wgt_fmt])
-
-def check_int32_sum(K: int, act_fmt: str, wgt_fmt: str) -> None:
-    "Raise `ValueError` naming `K` when `K * max|a| * max|w| >= 2^31` for integer formats summed over all of K in int32."
-    if isinstance(K, bool) or not isinstance(K, int):
-        raise TypeError(f"K must be an int, not {type(K).__name__}")
-    if K < 0:
-        raise ValueError(f"K={K} must be >= 0")
-    limit = int32_k_limit(act_fmt, wgt_fmt)
-    if limit is not None and K > limit:
-        a, w = INT_MAX_ABS[act_fmt], INT_MAX_ABS[wgt_fmt]
-        raise ValueError(f"K={K} is too long for an exact int32 sum of {act_fmt} x {wgt_fmt} products: K*{a}*{w} = "
-                         f"{K * a * w} >= 2^31, where an INT8 wgmma saturates silently (.satfinite); K <= {limit} is needed")
-
-# %% ../nbs/02_reference.ipynb #10dfe52c
-LORA_RANK_MULTIPLE = 16   # K extent of one 16-bit MMA; the low-rank product is tiled by it
-EPILOGUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-def _check_vector(name: str, v, n: int, device) -> None:
-    "Raise unless `v` is None or a float tensor of shape [n] on `device`."
-    if v is None:
-        return
-    if not isinstance(v, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, not {type(v).__name__}")
-    if v.dtype not in EPILOGUE_DTYPES:
-        raise TypeError(f"{name} must have dtype in {EPILOGUE_DTYPES}, not {v.dtype}")
-    if tuple(v.shape) != (n,):
-        raise ValueError(f"{name} must have shape [N] = ({n},), got {tuple(v.shape)}")
-    if v.device != device:
-        raise ValueError(f"{name} is on {v.device} but act is on {device}")
-
-def check_operands(act: QTensor, wgt: QTensor, lora_act: Optional[torch.Tensor] = None,
-                   lora_up: Optional[torch.Tensor] = None, wcscales: Optional[torch.Tensor] = None,
-                   bias: Optional[torch.Tensor] = None, fmt: Optional[str] = None) -> tuple:
-    "Validate the operands of `w4a4_gemm_ref`; return `(M, N, K, R)`, with `R = 0` when there is no low-rank term."
-    for name, q in (("act", act), ("wgt", wgt)):
-        if not isinstance(q, QTensor):
-            raise TypeError(f"{name} must be a QTensor (see formats.quantize), not {type(q).__name__}")
-    if (act.fmt, wgt.fmt) not in OPERAND_PAIRS:
-        differ = " differ" if act.fmt != wgt.fmt else ""
-        raise ValueError(f"act.fmt={act.fmt!r} and wgt.fmt={wgt.fmt!r}{differ}: not an allowed (act, wgt) pair; "
-                         f"allowed: {OPERAND_PAIRS}")
-    if fmt is not None and check_fmt(fmt, QFORMATS) != wgt.fmt:
-        whose = "" if act.fmt == wgt.fmt else " (the weights')"
-        raise ValueError(f"fmt={fmt!r} does not match the operands' format {wgt.fmt!r}{whose}")
-    if act.k != wgt.k:
-        raise ValueError(f"act has K={act.k} but wgt has K={wgt.k}")
-    if wgt.device != act.device:
-        raise ValueError(f"wgt is on {wgt.device} but act is on {act.device}")
-    M, N, K, R = act.rows, wgt.rows, act.k, 0
-    check_int32_sum(K, act.fmt, wgt.fmt)
-    if (lora_act is None) != (lora_up is None):
-        raise ValueError("lora_act and lora_up must be given together (or both left out)")
-    if lora_act is not None:
-        for name, t in (("lora_act", lora_act), ("lora_up", lora_up)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
-            if t.dtype not in EPILOGUE_DTYPES:
-                raise TypeError(f"{name} must have dtype in {EPILOGUE_DTYPES}, not {t.dtype}")
-            if t.dim() != 2:
-                raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-            if t.device != act.device:
-                raise ValueError(f"{name} is on {t.device} but act is on {act.device}")
-        R = lora_act.shape[1]
-        if lora_act.shape[0] != M:
-            raise ValueError(f"lora_act must have shape [M, R] with M={M}, got {tuple(lora_act.shape)}")
-        if tuple(lora_up.shape) != (N, R):
-            raise ValueError(f"lora_up must have shape [N, R] = {(N, R)}, got {tuple(lora_up.shape)}")
-        if R % LORA_RANK_MULTIPLE:
-            raise ValueError(f"lora rank R={R} is not a multiple of {LORA_RANK_MULTIPLE}")
-    _check_vector("wcscales", wcscales, N, act.device)
-    _check_vector("bias", bias, N, act.device)
-    return M, N, K, R
+__all__ = ['int_accumulator', 'w4a4_gemm_ref', 'w4a4_gemm_dequant', 'w4a4_gemm_exact']
 
 # %% ../nbs/02_reference.ipynb #dd45e841
 def _group_values(q: QTensor) -> torch.Tensor:

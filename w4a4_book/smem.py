@@ -4,9 +4,10 @@
 
 # %% auto #0
 __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALIGN', 'SWIZZLE_128B_ALIGN', 'DTYPE_BITS',
-           'STAGE_KINDS', 'LORA_ACCOUNTING', 'GROUP_SIZE', 'SM100_EPI_TILE', 'FAMILIES', 'CONFIGS', 'ArchFacts', 'Term',
-           'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms', 'HopperV2Config',
-           'hopper_v2_terms', 'blackwell_orig_terms', 'Family', 'check_config', 'Budget', 'solve', 'explain']
+           'STAGE_KINDS', 'LORA_ACCOUNTING', 'GROUP_SIZE', 'SM100_EPI_TILE', 'PROMOTIONS', 'ABLATIONS', 'FAMILIES',
+           'CONFIGS', 'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms',
+           'HopperV2Config', 'hopper_v2_terms', 'blackwell_orig_terms', 'Family', 'check_config', 'Budget', 'solve',
+           'explain']
 
 # %% ../nbs/03_smem.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -107,6 +108,8 @@ class HopperV1Config:
     arch: str = "sm_90"
     fmt: str = "int4"
     family: ClassVar[str] = "hopper_v1"
+    kernel: ClassVar[str] = "v1"        # the registry row this config describes (chapter 5a)
+    mainloop: ClassVar[str] = "promote"
 
     @property
     def label(self) -> str:
@@ -172,7 +175,10 @@ def hopper_v1_terms(cfg: HopperV1Config, stages: dict, accounting: str) -> list:
 class HopperV2Config(HopperV1Config):
     "Hopper v2: v1's buffers plus a decode ring between the decode warpgroup and the MMA warpgroups."
     decode_stages: int = 2
+    promotion: str = "biased"       # mainloop option: "biased" (two FFMAs, no conversion) or "i2f" (v1's)
+    ablate: tuple = ()              # mainloop option, for measurements only: skip "decode" and/or "promote"
     family: ClassVar[str] = "hopper_v2"
+    kernel: ClassVar[str] = "v2"
 
 def hopper_v2_terms(cfg: HopperV2Config, stages: dict, accounting: str) -> list:
     "v1's SharedStorage plus the decode ring's barriers and each decoded stage's copy of the scales."
@@ -248,6 +254,15 @@ def _check_hopper_v1(cfg):
     _choice(cfg, "scale_dtype", ("bfloat16", "float16"))
     _choice(cfg, "epilogue", ("tile", "none"))
 
+PROMOTIONS = ("biased", "i2f")     # v2's promotion of a group's INT32 partial: chapter 5
+ABLATIONS = ("decode", "promote")   # v2's measurement-only ablations: the result is wrong on purpose
+
+def _check_hopper_v2(cfg):
+    _check_hopper_v1(cfg)
+    _choice(cfg, "promotion", PROMOTIONS)
+    if not isinstance(cfg.ablate, tuple) or not set(cfg.ablate) <= set(ABLATIONS):
+        raise ValueError(f"ablate={cfg.ablate!r}: must be a tuple of some of {ABLATIONS}")
+
 def _check_blackwell_orig(cfg):
     _int(cfg, "cta_group", 1, 2)
     _int(cfg, "tile_m", 128, 256, 128)
@@ -272,7 +287,7 @@ class Family:
 FAMILIES = {
     HopperV1Config: Family(hopper_v1_terms, _check_hopper_v1, archs=("sm_90",), fmt="int4",
                            given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=0)),
-    HopperV2Config: Family(hopper_v2_terms, _check_hopper_v1, archs=("sm_90",), fmt="int4",
+    HopperV2Config: Family(hopper_v2_terms, _check_hopper_v2, archs=("sm_90",), fmt="int4",
                            given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=0)),
     BlackwellOrigConfig: Family(blackwell_orig_terms, _check_blackwell_orig, archs=("sm_100",), fmt="nvfp4", fill="epi",
                                 given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),

@@ -1,19 +1,24 @@
 """The Hopper kernels: argument checks and CPU compiles always; correctness against the fp32 reference on an sm_90 GPU."""
+import re
 import pytest, torch
 from w4a4_book.formats import quantize
 from w4a4_book.reference import w4a4_gemm_ref
-from w4a4_book import sm90
+from w4a4_book import gemm, operands
+from w4a4_book.operands import Problem
+from w4a4_book.smem import HopperV1Config, HopperV2Config
+
+CONFIGS = {"v1": HopperV1Config, "v2": HopperV2Config}
 
 def _cpu_problem(M=64, N=256, K=256, R=32):
     a, w = quantize(torch.randn(M, K), "int4"), quantize(torch.randn(N, K), "int4")
     return a, w, torch.randn(M, R, dtype=torch.bfloat16), torch.randn(N, R, dtype=torch.bfloat16)
 
 @pytest.mark.parametrize("bad, arg", [
-    (dict(wgt=lambda p: quantize(torch.randn(256, 192), "int4")), "wgt"),
+    (dict(wgt=lambda p: quantize(torch.randn(256, 192), "int4")), "act"),      # "act has K=256 but wgt has K=192"
     (dict(act=lambda p: quantize(torch.randn(64, 256), "nvfp4")), "act"),
     (dict(act=lambda p: quantize(torch.randn(64, 192), "int4"), wgt=lambda p: quantize(torch.randn(256, 192), "int4")), "act"),
     (dict(lora_act=lambda p: p[2][:, :24].contiguous(), lora_up=lambda p: p[3][:, :24].contiguous()), "lora_act"),
-    (dict(lora_up=lambda p: None), "lora_up"),
+    (dict(lora_up=lambda p: None), "lora_act"),                               # "lora_act and lora_up must be given together"
     (dict(lora_up=lambda p: p[3].half()), "lora_up"),
     (dict(lora_act=lambda p: p[2].t().contiguous().t()), "lora_act"),
     (dict(bias=lambda p: torch.zeros(128)), "bias"),
@@ -22,24 +27,28 @@ def _cpu_problem(M=64, N=256, K=256, R=32):
     (dict(cluster_n=lambda p: 3), "cluster_n"),
     (dict(act=lambda p: "not a tensor"), "act"),
 ])
-def test_bad_input_names_argument(bad, arg):
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_bad_input_names_argument(bad, arg, version):
     p = _cpu_problem()
-    kw = dict(act=p[0], wgt=p[1], lora_act=p[2], lora_up=p[3])
+    kw = dict(act=p[0], wgt=p[1], lora_act=p[2], lora_up=p[3], cluster_n=1)
     kw.update({k: f(p) for k, f in bad.items()})
+    cfg = CONFIGS[version]()
+    req = gemm.spec_for(cfg).kernel_class().requirements(cfg)
     with pytest.raises((TypeError, ValueError)) as e:
-        sm90.check_gemm_inputs(need_gpu=False, **kw)
-    assert str(e.value).startswith(arg + ":"), str(e.value)
+        operands.check_gemm_operands(**kw, req=req)
+    assert re.match(rf"{arg}\b", str(e.value)), str(e.value)      # every error names its argument first
 
-def test_cpu_tensors_rejected_before_launch():
+@pytest.mark.parametrize("config", [HopperV1Config(), HopperV2Config(cluster_n=2)])
+def test_cpu_tensors_rejected_before_launch(config):
     a, w, la, lu = _cpu_problem()
     with pytest.raises(ValueError, match="^act: must be on a CUDA device"):
-        sm90.gemm_w4a4(a, w, la, lu)
+        gemm.gemm_w4a4(a, w, la, lu, config=config)
 
 @pytest.mark.parametrize("version, R, cluster_n, accounting", [
     ("v1", 32, 1, "per_cta"), ("v1", 0, 1, "per_cta"), ("v1", 128, 2, "per_cta"), ("v1", 128, 2, "pair"),
     ("v2", 32, 1, "per_cta"), ("v2", 0, 1, "per_cta"), ("v2", 128, 2, "per_cta"), ("v2", 128, 2, "pair")])
 def test_compiled_smem_equals_solver(version, R, cluster_n, accounting):
-    rep = sm90.compile_kernel(version, sm90.Problem(4352, 3072, 3840, R), cluster_n=cluster_n, lora_accounting=accounting)
+    rep = gemm.compile_kernel(CONFIGS[version](cluster_n=cluster_n, lora_accounting=accounting), Problem(4352, 3072, 3840, R))
     assert rep.smem_bytes == rep.budget.allocated
     if accounting == "per_cta": assert rep.budget.total == rep.budget.allocated
     ins = rep.instructions
@@ -93,14 +102,14 @@ GRID = [  # M (tails included), N, K, R, out dtype, affine, cluster_n
 def test_matches_reference(version, M, N, K, R, out_dtype, affine, cluster_n):
     case = make_case(M, N, K, R, out_dtype, affine, seed=M + N + K + R)
     out = torch.full((M, N), float("nan"), dtype=out_dtype, device="cuda")
-    sm90.gemm_w4a4(*case, out_dtype=out_dtype, version=version, cluster_n=cluster_n, out=out)
+    gemm.gemm_w4a4(*case, out_dtype=out_dtype, config=CONFIGS[version](cluster_n=cluster_n), out=out)
     torch.cuda.synchronize()
     check_against_ref(out, case, out_dtype)
 
 @pytest.mark.gpu
 def test_bfloat16_scales():
     case = make_case(256, 256, 512, 32, scale_dtype=torch.bfloat16)
-    out = sm90.gemm_w4a4(*case)
+    out = gemm.gemm_w4a4(*case)
     torch.cuda.synchronize()
     check_against_ref(out, case, torch.bfloat16)
 
@@ -109,7 +118,7 @@ def test_bfloat16_scales():
 def test_no_register_spills_where_ptxas_exists(version):
     """PTX shows no local memory; only ptxas sees spills. v1 must not spill. v2's 40-register decode branch spills
     20 bytes at R=32 (see the gotchas chapter); its MMA branch spilling would cost about a kilobyte per thread."""
-    rep = sm90.compile_kernel(version, sm90.Problem(4352, 3072, 3840, 128), cluster_n=2)
+    rep = gemm.compile_kernel(CONFIGS[version](cluster_n=2), Problem(4352, 3072, 3840, 128))
     res = rep.ptxas()
     if res is None:
         pytest.skip("no ptxas on this machine")
@@ -120,31 +129,33 @@ def test_no_register_spills_where_ptxas_exists(version):
 def test_v2_i2f_promotion_matches_reference():
     "v1's promotion, kept in v2 as the measured alternative, stays correct."
     case = make_case(300, 512, 1024, 32, seed=7)
-    out = sm90.gemm_w4a4(*case, version="v2", promotion="i2f")
+    out = gemm.gemm_w4a4(*case, config=HopperV2Config(promotion="i2f"))
     torch.cuda.synchronize()
     check_against_ref(out, case, torch.bfloat16)
 
 
 def test_v2_promotion_has_no_conversion():
     "v2's default promotion reads MAGIC + p straight from the wgmma accumulator: no I2F, two FMAs per element."
-    p = sm90.Problem(4352, 3072, 3840, 32)
-    biased, i2f = sm90.compile_kernel("v2", p), sm90.compile_kernel("v2", p, promotion="i2f")
+    p = Problem(4352, 3072, 3840, 32)
+    biased, i2f = gemm.compile_kernel(HopperV2Config(), p), gemm.compile_kernel(HopperV2Config(promotion="i2f"), p)
     assert biased.count(r"cvt\.rn\.f32\.s32") == 0
     assert i2f.count(r"cvt\.rn\.f32\.s32") == 128      # 2 groups × 64 accumulator elements per thread
 
 
-@pytest.mark.parametrize("kw, word", [(dict(promotion="fast"), "promotion"), (dict(ablate=("load",)), "ablate")])
+@pytest.mark.parametrize("kw, word", [(dict(promotion="fast"), "promotion"), (dict(ablate=("load",)), "ablate"),
+                                      (dict(ablate="decode"), "ablate")])
 def test_v2_options_are_checked(kw, word):
+    "v2's mainloop options live in its config and are checked with it; v1's config has no such fields."
     with pytest.raises(ValueError, match=word):
-        sm90.build_kernel("v2", sm90.Problem(256, 256, 256, 16), **kw)
-    with pytest.raises(ValueError, match="options"):
-        sm90.build_kernel("v1", sm90.Problem(256, 256, 256, 16), **kw)
+        gemm.build(HopperV2Config(**kw), Problem(256, 256, 256, 16))
+    with pytest.raises(TypeError, match=list(kw)[0]):
+        HopperV1Config(**kw)
 
 
 @pytest.mark.parametrize("version, R, opts", [("v1", 32, {}), ("v2", 0, {}), ("v2", 32, {}), ("v2", 32, {"promotion": "i2f"})])
 def test_ptxas_keeps_wgmma_pipelined(version, R, opts):
     "ptxas serialises every wgmma (advisory C7514/C7515) when a non-wgmma instruction touches an in-flight accumulator."
-    res = sm90.compile_kernel(version, sm90.Problem(4352, 3072, 3840, R), **opts).ptxas()
+    res = gemm.compile_kernel(CONFIGS[version](**opts), Problem(4352, 3072, 3840, R)).ptxas()
     if res is None:
         pytest.skip("no ptxas on this machine")
     assert res["wgmma_advisories"] == [], res

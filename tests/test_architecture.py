@@ -1,0 +1,120 @@
+"""The library's shape, checked: imports run one way down the layers, no module imports another that imports it back,
+no function is longer than 100 lines, pyflakes finds nothing, and `import w4a4_book` gives the public surface."""
+import ast
+import fnmatch
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "w4a4_book"
+
+# top to bottom: a module may import modules of lower layers, and of its own layer where `SIBLINGS_MAY_IMPORT`
+LAYERS = [
+    ("cli",),                                                       # the command line and the book's tooling
+    ("bench", "bench.*", "repro", "sweep", "accuracy"),             # experiments
+    ("layers",),                                                    # the layer
+    ("gemm",),                                                      # the host layer
+    ("kernels.sm90_v1", "kernels.sm90_v2", "kernels.sm90_quant", "kernels.sm90_v*", "kernels.sm100_*"),  # kernels
+    ("kernels.sm90_parts", "kernels.sm100_parts"),                  # kernel parts
+    ("smem", "reference", "operands", "formats", "records"),        # foundations
+]
+SIBLINGS_MAY_IMPORT = {1, 6}     # experiments build on each other, foundations too; kernels never import kernels
+EXEMPT = {"__init__", "_modidx", "kernels", "kernels.__init__", "bench.__init__"}   # the package facade and nbdev's index
+
+
+def modules():
+    "Every module of the package as (dotted name below w4a4_book, path)."
+    for p in sorted(PKG.rglob("*.py")):
+        name = ".".join(p.relative_to(PKG).with_suffix("").parts)
+        if name not in EXEMPT:
+            yield name, p
+
+
+def layer_of(name):
+    for i, pats in enumerate(LAYERS):
+        if any(fnmatch.fnmatch(name, pat) for pat in pats):
+            return i
+    raise AssertionError(f"module {name} is in no layer of LAYERS: place it")
+
+
+def imports_of(name, path):
+    "The package modules `name` imports, anywhere in its code (function-level imports too)."
+    tree, out = ast.parse(path.read_text()), set()
+    pkg_parts = name.split(".")[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(pkg_parts[:len(pkg_parts) - node.level + 1] + ([node.module] if node.module else []))
+                base = "w4a4_book." + base if base else "w4a4_book"
+            else:
+                base = node.module or ""
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names}
+    known = {n for n, _ in modules()}
+    return {m[len("w4a4_book."):] for m in out if m.startswith("w4a4_book.") and m[len("w4a4_book."):] in known}
+
+
+def test_every_module_has_a_layer():
+    for name, _ in modules():
+        layer_of(name)
+
+
+def test_imports_run_down_the_layers():
+    bad = []
+    for name, path in modules():
+        for dep in imports_of(name, path):
+            a, b = layer_of(name), layer_of(dep)
+            if b < a or (a == b and a not in SIBLINGS_MAY_IMPORT and dep != name):
+                bad.append(f"{name} (layer {a}) imports {dep} (layer {b})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph = {name: imports_of(name, path) - {name} for name, path in modules()}
+    state = {}
+    def visit(n, stack):
+        if state.get(n) == "done": return
+        assert state.get(n) != "open", "import cycle: " + " -> ".join(stack + [n])
+        state[n] = "open"
+        for d in graph.get(n, ()):
+            visit(d, stack + [n])
+        state[n] = "done"
+    for n in graph:
+        visit(n, [])
+
+
+def test_no_function_over_100_lines():
+    long = []
+    for name, path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 100:
+                    long.append(f"{name}.{node.name}: {n} lines")
+    assert not long, "\n".join(long)
+
+
+def test_pyflakes_is_clean():
+    pytest.importorskip("pyflakes")
+    res = subprocess.run([sys.executable, "-m", "pyflakes", str(PKG)], capture_output=True, text=True)
+    assert res.returncode == 0 and not res.stdout.strip(), res.stdout + res.stderr
+
+
+def test_public_surface():
+    import w4a4_book
+    assert w4a4_book.__doc__ and "w4a4_book" in w4a4_book.__doc__
+    for name in ("quantize", "dequantize", "w4a4_gemm_ref", "gemm_w4a4", "W4A4Linear", "solve", "explain"):
+        assert name in w4a4_book.__all__ and callable(getattr(w4a4_book, name)), name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        w4a4_book.nope
+
+
+def test_import_is_light():
+    "`import w4a4_book` imports neither CuTe DSL nor torch: the facade loads a name's module on first use."
+    code = "import sys, w4a4_book; print('cutlass' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"], out
