@@ -16,7 +16,8 @@ from .timing import gpu_key, mfu, rel_err, tflops, time_cuda
 from .workloads import FP8_MAX, bench_problems, kernel_unavailable
 
 # %% auto #0
-__all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'layer_paths', 'run_layer_bench', 'layer_table', 'layer_shapes',
+__all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'ACTIVATION_FORMATS', 'layer_paths', 'run_layer_bench', 'layer_table',
+           'activation_bytes', 'copy_bandwidth', 'run_activation_bench', 'activation_table', 'layer_shapes',
            'add_arguments', 'run']
 
 # %% ../../nbs/09c_bench_layer.ipynb #7cb7f5b6
@@ -88,6 +89,49 @@ def layer_table(rows: list) -> str:
         out.append(line)
     return markdown_table(out)
 
+# %% ../../nbs/09c_bench_layer.ipynb #18ac25da
+ACTIVATION_FORMATS = ("int4", "int4_pg", "int8")
+
+def activation_bytes(M: int, K: int, R: int, fmt: str, splits: int, elt: int = 2) -> int:
+    "Bytes the activation kernel's passes move for `fmt` on an `M×K` input of `elt`-byte elements, rank `R`, `splits` shares of K."
+    passes = 1 if fmt == "int4" else 2
+    codes = M * K // 2 if fmt == "int4" else M * K
+    scales = (K // 64) * M * elt if fmt == "int4" else 4 * M
+    lora = (splits * M * R * 4 * 2 + M * R * elt + R * K * elt) if R else 0
+    return passes * (M * K * elt + K * elt) + codes + scales + lora
+
+def copy_bandwidth(nbytes: int = 2 ** 30, iters: int = 20) -> float:
+    "Bytes per second of a device-to-device copy of `nbytes` (read + write counted), median of `iters` calls."
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = time_cuda(lambda: dst.copy_(src), warmup=3, iters=iters, flush_l2=False)
+    return 2 * nbytes / (t["median_ms"] * 1e-3)
+
+def run_activation_bench(shapes, R: int = 32, fmts=ACTIVATION_FORMATS, iters: int = 50, warmup: int = 10, quiet: bool = False) -> list:
+    "Time `gemm.quantize_lora_down` per format on each `(M, K)`, with the copy bandwidth of the same run; one row per pair."
+    copy = copy_bandwidth()
+    rows = []
+    for M, K in shapes:
+        g = torch.Generator(device="cuda").manual_seed(M + K)
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        smooth = (torch.rand(K, device="cuda", generator=g) + 0.5).bfloat16()
+        ldt = (torch.randn(R, K, device="cuda", generator=g) / K ** 0.5).bfloat16() if R else None
+        splits = gemm.k_splits(-(-M // 64), K // 64, gemm.sm_count(torch.cuda.current_device()))
+        for fmt in fmts:
+            t = time_cuda(lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt), warmup=warmup, iters=iters)
+            nbytes = activation_bytes(M, K, R, fmt, splits)
+            bw = nbytes / (t["median_ms"] * 1e-3)
+            rows.append(dict(method=f"activation_{fmt}", fmt=fmt, M=M, K=K, R=R, k_splits=splits, bytes=nbytes, **t,
+                             bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy))
+            if not quiet: print(f"{M}x{K} R={R} {fmt}: {t['median_ms'] * 1e3:.1f} us, {bw / 1e12:.2f} TB/s = {bw / copy:.0%} of copy", flush=True)
+    return rows
+
+def activation_table(rows: list) -> str:
+    "Microseconds, bytes moved and the fraction of the copy bandwidth, per shape and format."
+    return markdown_table([{"M×K": f"{r['M']}×{r['K']}", "R": r["R"], "format": r["fmt"], "passes": 1 if r["fmt"] == "int4" else 2,
+                            "MB moved": f"{r['bytes'] / 1e6:.1f}", "µs": f"{r['median_ms'] * 1e3:.1f}",
+                            "TB/s": f"{r['bandwidth'] / 1e12:.2f}", "of copy": f"{r['of_copy']:.0%}"} for r in rows])
+
 # %% ../../nbs/09c_bench_layer.ipynb #1c0d0e0d
 def layer_shapes(which: str = "all") -> list:
     "The `(M, K, N)` layers of `bench-layer --shapes which`: the benchmark's `m4352` and `m256` layers, or both (`all`)."
@@ -102,7 +146,8 @@ def add_arguments(p) -> None:
     p.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays: GPU time without the per-call host work")
-    p.add_argument("--out", default=None, help="record path (default: nbs/data/layer_<gpu>.json, or layer_<gpu>_graph.json)")
+    p.add_argument("--activation", action="store_true", help="time the activation kernel alone, per format, against the copy bandwidth")
+    p.add_argument("--out", default=None, help="record path (default: nbs/data/layer_<gpu>.json, layer_<gpu>_graph.json or activation_<gpu>.json)")
 
 def run(args) -> int:
     "Measure on a GPU the default kernel runs on and save a record; elsewhere print the recorded ones."
@@ -115,6 +160,8 @@ def run(args) -> int:
             print(layer_table(rows))
         return 0
     shapes = layer_shapes(args.shapes)
+    if args.activation:
+        return _run_activation(args, sorted({(M, K) for M, K, _ in shapes}))
     graph = args.graph
     rows = run_layer_bench(shapes, args.rank, args.iters, graph=graph)
     print(layer_table(rows))
@@ -122,5 +169,17 @@ def run(args) -> int:
     path = args.out or data_dir() / f"layer_{gpu_key(gpu).lower().replace(' ', '-')}{'_graph' if graph else ''}.json"
     cmd = f"w4a4-book bench-layer --shapes {args.shapes} --rank {args.rank} --iters {args.iters}" + (" --graph" if graph else "")
     prov = provenance(cmd, [list(s) for s in shapes], kind="layer", rank=args.rank, timing="cuda_graph" if graph else "eager")
+    print(f"saved {save_record(path, prov, rows)}")
+    return 0
+
+# %% ../../nbs/09c_bench_layer.ipynb #ace53d40
+def _run_activation(args, shapes) -> int:
+    "`bench-layer --activation`: measure, print and save the activation kernel's record."
+    rows = run_activation_bench(shapes, args.rank, iters=args.iters)
+    print(activation_table(rows))
+    gpu = torch.cuda.get_device_name()
+    path = args.out or data_dir() / f"activation_{gpu_key(gpu).lower().replace(' ', '-')}.json"
+    cmd = f"w4a4-book bench-layer --activation --shapes {args.shapes} --rank {args.rank} --iters {args.iters}"
+    prov = provenance(cmd, [list(s) for s in shapes], kind="activation", rank=args.rank)
     print(f"saved {save_record(path, prov, rows)}")
     return 0
