@@ -190,7 +190,7 @@ def test_dispatch_to_sm90_kernel(monkeypatch, version):
                                    dtype=torch.float16)
     xb = x.bfloat16()
     y = layer(xb)
-    assert layer.last_backend == f"sm90-{version}" and y.dtype == torch.bfloat16
+    assert layer.last_backend == f"sm90-{version}-promote" and y.dtype == torch.bfloat16
     assert [(c["out_dtype"], c["version"]) for c in calls] == [(torch.float16, version)]   # the layer's dtype
     layer.backend = "reference"
     ref32 = layer(xb.float())
@@ -207,7 +207,7 @@ def test_sm90_backend_matches_reference():
     layer = W4A4Linear.from_linear(lin.cuda(), rank=32, act_sample=calib.cuda())
     x = x.cuda().bfloat16()
     y = layer(x)
-    assert layer.last_backend == "sm90-v2"
+    assert layer.last_backend == "sm90-v2-promote"
     layer.backend = "reference"
     ref = layer(x)
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
@@ -317,3 +317,19 @@ def test_int4_layer_converts_to_int4_pg():
     assert rel_err(pg, lin, x) < 1.1 * rel_err(int4, lin, x)
     with pytest.raises(ValueError, match="fmt='int4_pg': to_int4_pg converts an int4 layer"):
         pg.to_int4_pg()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("act_fmt", [None, "int8"])
+def test_int4_pg_layer_runs_the_exact_integer_kernel(act_fmt):
+    "fmt=int4_pg on an sm_90 GPU: the two-pass activation kernel, then the exact-integer GEMM; equal to the reference path."
+    lin, calib, x = outlier_problem(K=1024, N=512, tokens=300)
+    layer = W4A4Linear.from_linear(lin.cuda(), rank=32, fmt="int4_pg", act_sample=calib.cuda(), act_fmt=act_fmt)
+    x = x.cuda().bfloat16()
+    y = layer(x)
+    assert layer.last_backend == "sm90-v2-rs"
+    layer.backend = "reference"
+    ref = layer(x)
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2

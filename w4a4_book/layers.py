@@ -212,14 +212,15 @@ def forward(self: W4A4Linear, x: torch.Tensor) -> torch.Tensor:
         config = self.gemm_config
         act, lora_act = self.quantize_input_fused(rows)
         y = gemm.gemm_w4a4(act, self.qweight, lora_act, lora_up, self.wcscales, self.bias, out_dtype=self.dtype, config=config)
-        self.last_backend = f"sm90-{gemm.spec_for(config).kernel}"
+        spec = gemm.spec_for(config)
+        self.last_backend = f"sm90-{spec.kernel}-{spec.mainloop}"
     else:
         act, lora_act = self.quantize_input(rows)
         y = w4a4_gemm_ref(act, self.qweight, lora_act, lora_up, self.wcscales, self.bias)
         self.last_backend = "reference"
     return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-# %% ../nbs/08_layer.ipynb #b54208db
+# %% ../nbs/08_layer.ipynb #aaf815fd
 @patch
 def to_int4_pg(self: W4A4Linear, act_fmt: Optional[str] = None) -> W4A4Linear:
     "A copy of this int4 layer with its residual weight converted to int4_pg (`formats.to_int4_pg`), on the same device."

@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALIGN', 'SWIZZLE_128B_ALIGN', 'DTYPE_BITS',
-           'STAGE_KINDS', 'LORA_ACCOUNTING', 'GROUP_SIZE', 'SM100_EPI_TILE', 'PROMOTIONS', 'ABLATIONS', 'FAMILIES',
-           'CONFIGS', 'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms',
-           'HopperV2Config', 'hopper_v2_terms', 'blackwell_orig_terms', 'Family', 'check_config', 'Budget', 'solve',
-           'explain']
+           'STAGE_KINDS', 'LORA_ACCOUNTING', 'GROUP_SIZE', 'PG_GROUP', 'SM100_EPI_TILE', 'PROMOTIONS', 'ABLATIONS',
+           'FAMILIES', 'CONFIGS', 'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig',
+           'hopper_v1_terms', 'HopperV2Config', 'hopper_v2_terms', 'HopperPgConfig', 'hopper_pg_terms',
+           'blackwell_orig_terms', 'Family', 'check_config', 'Budget', 'solve', 'explain']
 
 # %% ../nbs/03_smem.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -42,7 +42,7 @@ TMA_SMEM_ALIGN = 128        # PTX ISA, cp.async.bulk.tensor: the shared-memory b
 SWIZZLE_128B_ALIGN = 1024   # 128B swizzle XORs address bits [4:6] with [7:9]: an 8-row x 128 B pattern needs a 1024 B base
 
 # %% ../nbs/03_smem.ipynb #729e8755
-DTYPE_BITS = {"int64": 64, "int32": 32, "float32": 32, "bfloat16": 16, "float16": 16,
+DTYPE_BITS = {"int64": 64, "int32": 32, "uint32": 32, "float32": 32, "bfloat16": 16, "float16": 16,
               "uint8": 8, "int8": 8, "float8_e4m3fn": 8, "float4_e2m1fn": 4}
 STAGE_KINDS = ("main", "decode", "lora", "epi")
 
@@ -194,6 +194,62 @@ def hopper_v2_terms(cfg: HopperV2Config, stages: dict, accounting: str) -> list:
         Term("b_scales_dec", D * BK // G * BN * sb, TMA_SMEM_ALIGN, cfg.scale_dtype, "decode", "the stage's column scales, likewise")]
     return t
 
+# %% ../nbs/03_smem.ipynb #10b028ff
+PG_GROUP = 64                   # int4_pg: one u per 64 values along K (formats.PG_GROUP)
+
+@dataclass(frozen=True)
+class HopperPgConfig:
+    "Hopper v2 skeleton, exact-integer mainloop: int4_pg weights decoded into wgmma's A registers, int8 activations."
+    tile_m: int = 256               # activation rows of a tile: wgmma N
+    tile_n: int = 128               # weight rows of a tile, 64 per MMA warpgroup: wgmma M
+    tile_k: int = 128
+    cluster_n: int = 1              # 2: a pair along N sharing the activation tile and LoRA activations by multicast
+    lora_rank: int = 0
+    lora_stages: int = 1
+    out_dtype: str = "bfloat16"
+    lora_dtype: str = "bfloat16"
+    scale_dtype: str = "uint8"      # the weights' u
+    epi_stages: int = 2             # output sub-tiles in flight per MMA warpgroup (a ring, stored by TMA)
+    epi_tile_m: int = 32            # activation rows of an output sub-tile (it has 64 weight rows)
+    lora_accounting: str = "per_cta"
+    stages: int | None = None
+    max_stages: int | None = None
+    arch: str = "sm_90"
+    fmt: str = "int4_pg"
+    family: ClassVar[str] = "hopper_pg"
+    kernel: ClassVar[str] = "v2"
+    mainloop: ClassVar[str] = "rs"
+
+    @property
+    def label(self) -> str:
+        return (f"{self.family} {self.arch} {self.fmt} tile {self.tile_m}x{self.tile_n}x{self.tile_k} "
+                f"cluster_n={self.cluster_n} R={self.lora_rank} lora_accounting={self.lora_accounting}")
+
+def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
+    "The exact-integer mainloop's SharedStorage, field by field in declaration order, at the given stage counts."
+    S, L = stages["main"], stages["lora"]
+    BM, BN, BK, R = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.lora_rank
+    lb, ob = DTYPE_BITS[cfg.lora_dtype] // 8, DTYPE_BITS[cfg.out_dtype] // 8
+    bar = lambda name, n, kind, why: Term(name, MBARRIER_BYTES * n, MBARRIER_BYTES, "int64", kind, why)
+    t = [bar("main_full", S, "main", "TMA transaction barrier: the stage's three boxes have landed"),
+         bar("main_empty", S, "main", "the MMA warpgroups (of both CTAs of a pair) hand the stage back")]
+    if R:
+        t += [bar("lora_full", L, "lora", "TMA transaction barrier for the LoRA blocks"),
+              bar("lora_empty", L, "lora", "the MMA warpgroups release the LoRA blocks")]
+    t += [Term("w_packed", S * BN * BK // 2, SWIZZLE_128B_ALIGN, "uint32", "main", "int4 weights, 8 per word, in A-fragment order"),
+          Term("w_u", S * BN * (BK // PG_GROUP), TMA_SMEM_ALIGN, "uint32", "main", "the weights' u, one byte per row and group"),
+          Term("act", S * BM * BK, SWIZZLE_128B_ALIGN, "int8", "main", "int8 q*u activations, wgmma's B operand")]
+    if R:
+        up_rows = BN * cfg.cluster_n if accounting == "pair" else BN
+        t += [Term("lora_act", L * BM * R * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora", "the tile's BM x R LoRA activation rows"),
+              Term("lora_up", L * up_rows * R * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
+                   "this CTA's BN x R up-projection rows" if up_rows == BN else "charged for the cluster's N rows: the historical bug")]
+    E = stages["epi"]
+    t += [Term("affine", 0, 1, cfg.out_dtype, None, "bases, wcscales and bias are read from global memory in the epilogue"),
+          Term("epilogue", E * BN * cfg.epi_tile_m * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "epi",
+               "per MMA warpgroup, a ring of 64 x epi_tile_m output sub-tiles, transposed by stmatrix, for the TMA store")]
+    return t
+
 # %% ../nbs/03_smem.ipynb #2682fd44
 SM100_EPI_TILE = (128, 32)  # compute_epilogue_tile_shape: 128-row CTA tile, 16-bit output, no C source (cutlass-dsl 4.3.5)
 
@@ -263,6 +319,19 @@ def _check_hopper_v2(cfg):
     if not isinstance(cfg.ablate, tuple) or not set(cfg.ablate) <= set(ABLATIONS):
         raise ValueError(f"ablate={cfg.ablate!r}: must be a tuple of some of {ABLATIONS}")
 
+def _check_hopper_pg(cfg):
+    _int(cfg, "tile_m", 64, 256, 64, "wgmma N: a multiple of 64 activation rows up to 256")
+    _int(cfg, "tile_n", 128, 128, why="two MMA warpgroups of 64 weight rows: the packed weight layout is per 128 rows")
+    _int(cfg, "tile_k", 128, 128, why="the packed weight layout is per 128 K")
+    _int(cfg, "cluster_n", 1, 2)
+    _int(cfg, "epi_stages", 1, 4)
+    _int(cfg, "epi_tile_m", 32, cfg.tile_m, 32, "whole 32-row stmatrix blocks of the tile")
+    if cfg.tile_m % cfg.epi_tile_m:
+        raise ValueError(f"epi_tile_m={cfg.epi_tile_m}: must divide tile_m={cfg.tile_m}")
+    _choice(cfg, "out_dtype", ("bfloat16", "float16"))
+    _choice(cfg, "lora_dtype", ("bfloat16", "float16"))
+    _choice(cfg, "scale_dtype", ("uint8",))
+
 def _check_blackwell_orig(cfg):
     _int(cfg, "cta_group", 1, 2)
     _int(cfg, "tile_m", 128, 256, 128)
@@ -289,6 +358,8 @@ FAMILIES = {
                            given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=0)),
     HopperV2Config: Family(hopper_v2_terms, _check_hopper_v2, archs=("sm_90",), fmt="int4",
                            given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=0)),
+    HopperPgConfig: Family(hopper_pg_terms, _check_hopper_pg, archs=("sm_90",), fmt="int4_pg",
+                           given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
     BlackwellOrigConfig: Family(blackwell_orig_terms, _check_blackwell_orig, archs=("sm_100",), fmt="nvfp4", fill="epi",
                                 given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
 }
@@ -406,6 +477,10 @@ CONFIGS = {
     "v2-r128": HopperV2Config(lora_rank=128),
     "v2-2cta-r32": HopperV2Config(cluster_n=2, lora_rank=32),
     "v2-2cta-r128": HopperV2Config(cluster_n=2, lora_rank=128),
+    "pg-r32": HopperPgConfig(lora_rank=32),
+    "pg-r128": HopperPgConfig(lora_rank=128),
+    "pg-2cta-r32": HopperPgConfig(cluster_n=2, lora_rank=32),
+    "pg-2cta-r128": HopperPgConfig(cluster_n=2, lora_rank=128),
     "orig-256x256-r32": BlackwellOrigConfig(lora_rank=32),
     "orig-256x256-r128": BlackwellOrigConfig(lora_rank=128),
     "orig-256x128-r128": BlackwellOrigConfig(tile_n=128, lora_rank=128),

@@ -10,7 +10,7 @@ __all__ = ['CUTE_DTYPES', 'HIGH_NIBBLES', 'DECODE_SCALE', 'kernel_bundle', 'Gemm
            'fma_f32', 'pinned_i32', 'int4_arguments', 'placeholder', 'int4_tensors', 'Mmas', 'Int4Layouts',
            'Int4GemmBase']
 
-# %% ../../nbs/03a_sm90_parts.ipynb #9c9ff071
+# %% ../../nbs/03a_sm90_parts.ipynb #4e75eafe
 import enum
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -29,7 +29,7 @@ from fastcore.basics import patch
 import w4a4_book.formats as formats
 import w4a4_book.operands as operands
 
-# %% ../../nbs/03a_sm90_parts.ipynb #e1904ad0
+# %% ../../nbs/03a_sm90_parts.ipynb #4c43f8f6
 def kernel_bundle(cls):
     "Let the `NamedTuple` class `cls` cross into a `@cute.kernel`: its fields' dynamic values flatten in order and are rebuilt."
     def extract(self): return extract_mlir_values(tuple(self))
@@ -43,7 +43,7 @@ def kernel_bundle(cls):
     cls.__extract_mlir_values__, cls.__new_from_mlir_values__ = extract, rebuild
     return cls
 
-# %% ../../nbs/03a_sm90_parts.ipynb #66f1edfe
+# %% ../../nbs/03a_sm90_parts.ipynb #5e935d3f
 @kernel_bundle
 class GemmTensors(NamedTuple):
     "The global tensors of a W4A4 GEMM, as cute tensors, in launch order."
@@ -61,23 +61,29 @@ CUTE_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16,
                torch.uint8: cutlass.Uint8, torch.int8: cutlass.Int8, torch.int32: cutlass.Int32}
 
 class ArgSpec(NamedTuple):
-    "One kernel argument without data: element type, shape, which mode is contiguous (`stride_order`)."
+    "One kernel argument without data: element type, shape, which mode is contiguous (`stride_order`), which is M long."
     name: str
     dtype: object                    # a cutlass numeric type
     shape: tuple
     stride_order: Optional[tuple] = None
+    m_mode: Optional[int] = None     # the mode of extent M: dynamic where the kernel reads M at run time
 
-def fake_tensor(spec: ArgSpec, align: int = 16):
-    "A fake cute tensor with `spec`'s type, shape and layout, for compiling without a GPU."
+def fake_tensor(spec: ArgSpec, align: int = 16, dynamic_m: bool = False):
+    "A fake cute tensor with `spec`'s type, shape and layout, for compiling without a GPU; `dynamic_m`: M a run-time value."
     from cutlass.cute.runtime import make_fake_compact_tensor
-    return make_fake_compact_tensor(spec.dtype, spec.shape, stride_order=spec.stride_order, assumed_align=align)
+    shape = spec.shape
+    if dynamic_m and spec.m_mode is not None:
+        shape = tuple(cute.sym_int() if i == spec.m_mode else d for i, d in enumerate(shape))
+    return make_fake_compact_tensor(spec.dtype, shape, stride_order=spec.stride_order, assumed_align=align)
 
-# %% ../../nbs/03a_sm90_parts.ipynb #713816b6
+# %% ../../nbs/03a_sm90_parts.ipynb #02db7086
 class NamedBarrier(enum.IntEnum):
     "Hardware barrier ids used by this book's kernels (0 is the CTA-wide `bar.sync 0`)."
     EPILOGUE = 1        # the threads that own the accumulator, around the shared-memory staging of the output
+    EPILOGUE_WG0 = 2    # one MMA warpgroup's staging of its output sub-tiles (the exact-integer mainloop) ...
+    EPILOGUE_WG1 = 3    # ... and the other's
 
-# %% ../../nbs/03a_sm90_parts.ipynb #a3c9961c
+# %% ../../nbs/03a_sm90_parts.ipynb #4ec8192a
 HIGH_NIBBLES = 0xF0F0F0F0   # keeps the high nibble of each byte, in place
 DECODE_SCALE = 1 / 256      # the INT8 operands are 16·v, so each INT32 partial is 256·Σ a·w
 
@@ -86,7 +92,7 @@ def decode_word_ref(w):
     w = np.asarray(w, dtype=np.uint32)
     return (w << np.uint32(4)) & np.uint32(HIGH_NIBBLES), w & np.uint32(HIGH_NIBBLES)
 
-# %% ../../nbs/03a_sm90_parts.ipynb #755eeb67
+# %% ../../nbs/03a_sm90_parts.ipynb #2cf28041
 def decode_row_ref(packed_row):
     "Decode one packed uint8 row the way the kernel does; returns int8 `16·v` in the kernel's K order."
     w = np.frombuffer(np.ascontiguousarray(packed_row, dtype=np.uint8).tobytes(), dtype=np.uint32)
@@ -98,7 +104,7 @@ def kernel_k_order(k):
     chunk = np.array([0, 2, 4, 6, 1, 3, 5, 7])
     return (np.arange(0, k, 8)[:, None] + chunk[None, :]).reshape(-1)
 
-# %% ../../nbs/03a_sm90_parts.ipynb #706ce227
+# %% ../../nbs/03a_sm90_parts.ipynb #da322095
 def check_decoded_layout(layout8, tile_k):
     "The hand-written decode assumes 128-byte K-major rows with the 128-byte swizzle; refuse anything else."
     if tile_k != 128 or str(layout8.inner) != "S<3,4,3>":
@@ -114,7 +120,7 @@ def decoded_words(ptr, rows, tile_k, stages):
     return cute.make_tensor(cute.recast_ptr(ptr, dtype=cutlass.Uint32),
                             cute.make_layout((rows, tile_k // 16, 4, stages), stride=(tile_k // 4, 4, 1, rows * tile_k // 4)))
 
-# %% ../../nbs/03a_sm90_parts.ipynb #c0f5f6cb
+# %% ../../nbs/03a_sm90_parts.ipynb #e1e5c33a
 @cute.jit
 def decode_tile(packed, decoded, src_stage, dst_stage, tidx, rows: cutlass.Constexpr, tile_k: cutlass.Constexpr,
                 nthreads: cutlass.Constexpr):
@@ -134,14 +140,14 @@ def decode_tile(packed, decoded, src_stage, dst_stage, tidx, rows: cutlass.Const
                 out[2 * j + 1] = w[2 * h + j] & cutlass.Uint32(HIGH_NIBBLES)
             decoded[r, (2 * c + h) ^ (r % 8), None, dst_stage].store(out.load())
 
-# %% ../../nbs/03a_sm90_parts.ipynb #abe2798f
+# %% ../../nbs/03a_sm90_parts.ipynb #5f1e1362
 def tma_split(atom, smem, gmem, rank=0, ranks=1):
     """TMA partition of a staged smem buffer and its tiled global view, both with their first two modes
     grouped; with `ranks > 1` CTA `rank` of the cluster copies its share of each box (multicast)."""
     return cute.nvgpu.cpasync.tma_partition(atom, rank, cute.make_layout(ranks),
                                             cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2))
 
-# %% ../../nbs/03a_sm90_parts.ipynb #2fbe5185
+# %% ../../nbs/03a_sm90_parts.ipynb #654e5282
 @kernel_bundle
 class GemmLoads(NamedTuple):
     "TMA atoms and the global views they were built for, in kernel-argument order (None where R = 0)."
@@ -171,7 +177,7 @@ def int4_loads(t: GemmTensors, layouts: dict, tile: tuple, group: int, rank: int
     out += tma(t.out, "epilogue", epi_tile, op=cp.CopyBulkTensorTileS2GOp())
     return GemmLoads(*out)
 
-# %% ../../nbs/03a_sm90_parts.ipynb #a7f27667
+# %% ../../nbs/03a_sm90_parts.ipynb #2ed20c36
 @cute.jit
 def promote(acc, partial, tCcC, sSA, sSW, g, stage):
     """`acc += float(partial) · sa[m]/256 · sw[n]` for one scale group (the 1/256 undoes the decode's 16·16).
@@ -191,7 +197,7 @@ def apply_affine(acc, tCcC, mWcs, mBias, n0, has_scale: cutlass.Constexpr, has_b
         if cutlass.const_expr(has_bias):
             acc[i] = acc[i] + mBias[n0 + n].to(cutlass.Float32)
 
-# %% ../../nbs/03a_sm90_parts.ipynb #5c31f747
+# %% ../../nbs/03a_sm90_parts.ipynb #6e38a69d
 @cute.jit
 def store_tile(acc, sC, gC, tma_c, tiled_mma, epi_tile: cutlass.Constexpr, c_dtype: cutlass.Constexpr,
                tidx, is_store_warp, barrier_id: cutlass.Constexpr, barrier_threads: cutlass.Constexpr):
@@ -232,7 +238,7 @@ def store_tile(acc, sC, gC, tma_c, tiled_mma, epi_tile: cutlass.Constexpr, c_dty
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-# %% ../../nbs/03a_sm90_parts.ipynb #fa70ce80
+# %% ../../nbs/03a_sm90_parts.ipynb #af5d7c85
 def storage_from_budget(budget, dtypes):
     "A `cute.struct` with one aligned `MemRange` per allocated budget term; `dtypes` maps term name → element type."
     ann = {}
@@ -251,7 +257,7 @@ def check_term(budget, name, layout, dtype):
     if nbytes != want:
         raise AssertionError(f"smem term {name!r}: kernel buffer {nbytes} B, solver {want} B")
 
-# %% ../../nbs/03a_sm90_parts.ipynb #99bfeb3e
+# %% ../../nbs/03a_sm90_parts.ipynb #85c60eaf
 @dataclass(frozen=True)
 class WarpRoles:
     "Which warps do what, and the registers each warpgroup keeps after `setmaxnreg`."
@@ -277,7 +283,7 @@ class WarpRoles:
         "Registers the warpgroups hold after `setmaxnreg`; must not exceed the SM's 65536."
         return 128 * self.load_regs + 32 * len(self.decode_warps) * self.decode_regs + 32 * len(self.mma_warps) * self.mma_regs
 
-# %% ../../nbs/03a_sm90_parts.ipynb #82e9208f
+# %% ../../nbs/03a_sm90_parts.ipynb #82dfcd39
 def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
     "Tile `(m, n)` of linear tile index `t` when bands of `group_m` M-tiles are walked M-fastest."
     band = t // (group_m * n_tiles)
@@ -287,10 +293,15 @@ def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
     return first_m + r % rows, r // rows
 
 class PersistentRaster:
-    "Static persistent schedule of `m_tiles × n_ctiles` cluster tiles over the launched clusters, `raster` order."
+    """Static persistent schedule of `m_tiles × n_ctiles` cluster tiles over the launched clusters, `raster` order.
+    `m_tiles` may be a run-time value (M read at run time): the scheduler then crosses traced loops like any DSL value."""
     group_m = 8
     def __init__(self, m_tiles, n_ctiles, cluster_n):
         self.m_tiles, self.n_ctiles, self.cluster_n = m_tiles, n_ctiles, cluster_n
+
+    def __extract_mlir_values__(self): return extract_mlir_values([self.m_tiles])
+    def __new_from_mlir_values__(self, values):
+        return type(self)(new_from_mlir_values(self.m_tiles, values), self.n_ctiles, self.cluster_n)
 
     def clusters(self, num_sms):
         "How many clusters to launch: one per cluster tile, at most one CTA per SM."
@@ -306,7 +317,7 @@ class PersistentRaster:
         m, nc = raster(cluster_id + i * n_clusters, self.m_tiles, self.n_ctiles, self.group_m, cutlass.min)
         return m, nc * self.cluster_n + rank
 
-# %% ../../nbs/03a_sm90_parts.ipynb #0f70d07e
+# %% ../../nbs/03a_sm90_parts.ipynb #e279cdb1
 @dsl_user_op
 def fma_f32(a, b, c, *, loc=None, ip=None):
     "`a·b + c` rounded once (`fma.rn.f32`), never split into a multiply and an add."
@@ -320,7 +331,7 @@ def pinned_i32(x, *, loc=None, ip=None):
                                          has_side_effects=True, is_align_stack=False,
                                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
-# %% ../../nbs/03a_sm90_parts.ipynb #4c8cdb15
+# %% ../../nbs/03a_sm90_parts.ipynb #3ffcea5b
 def int4_arguments(p: operands.Problem) -> tuple:
     "The `ArgSpec`s of an int4 GEMM's launch, in `GemmTensors` order (R = 0 still passes 16-wide LoRA placeholders)."
     dt, G, R = CUTE_DTYPES, formats.GROUP_SIZE[p.fmt], max(p.R, 16)
@@ -358,7 +369,7 @@ def int4_tensors(p: operands.Problem, act, wgt, lora_act, lora_up, wcscales, bia
     return [act.data, wgt.data, _padded_scales(act.scales, p.M).T, _padded_scales(wgt.scales, p.N).T,
             lora_act, lora_up, wcs, b, out]
 
-# %% ../../nbs/03a_sm90_parts.ipynb #9029e105
+# %% ../../nbs/03a_sm90_parts.ipynb #aace1131
 @kernel_bundle
 class Mmas(NamedTuple):
     "The two tiled MMAs of an int4 GEMM: INT8 for the main product, 16-bit for the LoRA product."
@@ -395,7 +406,7 @@ class Int4GemmBase:
         return operands.Requirements(cls.name, formats=(("int4", "int4"),), k_multiple=cfg.tile_k,
                                      n_multiple=cfg.tile_n, cluster_sizes=(1, 2))
 
-# %% ../../nbs/03a_sm90_parts.ipynb #7fcf003e
+# %% ../../nbs/03a_sm90_parts.ipynb #ce1b9eb6
 @patch
 def _layouts(self: Int4GemmBase) -> dict:
     "Shared-memory layouts of every buffer, by budget term name; staged layouts end in a STAGE mode."

@@ -1,0 +1,124 @@
+"""The exact-integer mainloop (int4_pg): compile checks on any machine; on an sm_90 GPU, the correctness grid against the
+exact int64 reference, and one compiled kernel serving every M."""
+import pytest, torch
+from w4a4_book import gemm
+from w4a4_book.formats import quantize
+from w4a4_book.operands import Problem
+from w4a4_book.reference import w4a4_gemm_exact
+from w4a4_book.smem import HopperPgConfig
+
+
+def pg_problem(M, N, K, R=32, out_dtype=torch.bfloat16):
+    return Problem(M, N, K, R, scale_dtype=torch.uint8, lora_dtype=out_dtype, out_dtype=out_dtype, fmt="int4_pg", act_fmt="int4_pg")
+
+
+@pytest.mark.parametrize("kw, R", [({}, 32), (dict(cluster_n=2), 32), ({}, 0), ({}, 128), (dict(tile_m=128), 256),
+                                   (dict(cluster_n=2, lora_accounting="pair"), 128)])
+def test_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
+    rep = gemm.compile_kernel(HopperPgConfig(**kw), pg_problem(4352, 3072, 3840, R))
+    assert rep.smem_bytes == rep.budget.allocated
+    ins = rep.instructions
+    assert ins["wgmma (int8)"] == 16 and ins["wgmma (16-bit)"] == R // 16 and ins["local memory"] == 0
+    assert rep.count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.satfinite\.s32\.s8\.s8 \{[^}]*\}, \{%r") == 16   # A in registers
+    res = rep.ptxas()
+    if res is None:
+        pytest.skip("no ptxas on this machine")
+    assert res["wgmma_advisories"] == [] and res["spill_stores"] == 0, res
+
+
+def test_requirements_and_bad_input():
+    a = quantize(torch.randn(64, 256), "int4_pg")
+    w = quantize(torch.randn(256, 256), "int4_pg")
+    kernel = gemm.spec_for(HopperPgConfig()).kernel_class()
+    with pytest.raises(ValueError, match="act: the exact-integer kernel reads int8 activations"):
+        kernel.tensors(Problem(64, 256, 256, 0, scale_dtype=torch.uint8, fmt="int4_pg"), a, w, None, None, None, None, None)
+    with pytest.raises(ValueError, match="act: must be on a CUDA device"):
+        gemm.gemm_w4a4(a.as_int8(), w, config=HopperPgConfig())
+    with pytest.raises(ValueError, match="wgt: N=192 must be a multiple of 128"):
+        gemm.check(HopperPgConfig(), pg_problem(64, 192, 256))
+    with pytest.raises(ValueError, match="K=149248 is too long for an exact int32 sum"):
+        from w4a4_book.operands import check_int32_sum
+        check_int32_sum(149248, "int4_pg", "int4_pg")
+    with pytest.raises(ValueError, match="lora_rank=256"):
+        gemm.build(HopperPgConfig(), pg_problem(4352, 3072, 3840, 256))       # the 256-row tile leaves no room at R = 256
+
+
+# ---------------------------------------------------------------- GPU
+def make_pg_case(M, N, K, R, out_dtype=torch.bfloat16, affine=True, act_fmt="int4_pg", seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", generator=g)
+    x[:, 7] *= 30                                                      # an outlier channel
+    act = quantize(x, act_fmt)
+    act = act.as_int8() if act_fmt == "int4_pg" else act
+    wgt = quantize(torch.randn(N, K, device="cuda", generator=g), "int4_pg")
+    la = lu = wcs = bias = None
+    if R:
+        la = torch.randn(M, R, device="cuda", generator=g).to(out_dtype)
+        lu = (0.1 * torch.randn(N, R, device="cuda", generator=g)).to(out_dtype)
+    if affine:
+        wcs = (1 + 0.1 * torch.randn(N, device="cuda", generator=g)).to(out_dtype)
+        bias = torch.randn(N, device="cuda", generator=g).to(out_dtype)
+    return act, wgt, la, lu, wcs, bias
+
+
+def check_exact(out, case, out_dtype):
+    """Elementwise against the exact reference: the output's rounding (half an ulp: 2^-8 relative for bf16's 8-bit
+    significand, 2^-11 for fp16) plus the fp32 arithmetic before it (the int32 sum converted and scaled, the LoRA
+    products summed, the affine: a few roundings of 2^-24 each of the terms' magnitudes, 2^-20 leaves room)."""
+    act, wgt, la, lu, wcs, bias = case
+    ref = w4a4_gemm_exact(*case)
+    mag = w4a4_gemm_exact(act, wgt).abs()
+    if la is not None:
+        mag = mag + la.double().abs() @ lu.double().abs().T
+    if wcs is not None:
+        mag = mag * wcs.double().abs()
+    half_ulp = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -11
+    y = out.double()
+    assert not torch.isnan(y).any(), "unwritten or NaN outputs"
+    bound = half_ulp * ref.abs() + 2.0 ** -20 * mag + 2.0 ** -30
+    worst = ((y - ref).abs() / bound).max().item()
+    assert worst <= 1.0, f"max err/bound {worst:.3f}"
+
+
+GRID = [  # M (tails, several tiles per CTA), N, K, R, out dtype, affine, cluster_n, tile_m
+    (128, 128, 128, 16, torch.bfloat16, True, 1, 256),
+    (300, 512, 1024, 128, torch.bfloat16, True, 1, 256),
+    (777, 3840, 1536, 64, torch.float16, True, 1, 256),
+    (1000, 1024, 3840, 32, torch.bfloat16, False, 1, 256),
+    (4352, 3072, 3840, 32, torch.bfloat16, True, 1, 256),
+    (257, 2048, 640, 0, torch.float16, False, 1, 256),
+    (513, 3072, 2048, 128, torch.bfloat16, True, 2, 256),
+    (64, 256, 256, 16, torch.float16, True, 2, 256),
+    (2000, 1024, 1024, 256, torch.bfloat16, True, 1, 128),
+    (4352, 3072, 3840, 32, torch.bfloat16, True, 2, 128),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K, R, out_dtype, affine, cluster_n, tile_m", GRID)
+def test_matches_exact_reference(M, N, K, R, out_dtype, affine, cluster_n, tile_m):
+    case = make_pg_case(M, N, K, R, out_dtype, affine, seed=M + N + K + R)
+    out = torch.full((M, N), float("nan"), dtype=out_dtype, device="cuda")
+    gemm.gemm_w4a4(*case, out_dtype=out_dtype, config=HopperPgConfig(cluster_n=cluster_n, tile_m=tile_m), out=out)
+    torch.cuda.synchronize()
+    check_exact(out, case, out_dtype)
+
+
+@pytest.mark.gpu
+def test_w4a8_activations():
+    case = make_pg_case(300, 512, 1024, 32, act_fmt="int8", seed=3)
+    out = gemm.gemm_w4a4(*case, config=HopperPgConfig())
+    torch.cuda.synchronize()
+    check_exact(out, case, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_one_compiled_kernel_serves_every_m():
+    cfg = HopperPgConfig(epi_stages=2)                     # a config no other test compiles
+    before = len(gemm._compiled)
+    for M in (1, 17, 256, 300, 4352):
+        case = make_pg_case(M, 512, 1024, 32, seed=M)
+        out = gemm.gemm_w4a4(*case, config=cfg)
+        torch.cuda.synchronize()
+        check_exact(out, case, torch.bfloat16)
+    assert len(gemm._compiled) - before == 1
