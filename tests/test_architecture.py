@@ -16,7 +16,7 @@ LAYERS = [
     ("bench", "bench.*", "repro", "sweep", "accuracy"),             # experiments
     ("layers",),                                                    # the layer
     ("gemm",),                                                      # the host layer
-    ("kernels.sm90_v1", "kernels.sm90_v2", "kernels.sm90_quant", "kernels.sm90_v*", "kernels.sm100_*"),  # kernels
+    ("kernels.sm90_v1", "kernels.sm90_v2", "kernels.sm90_quant", "kernels.sm90_pg*", "kernels.sm90_v*", "kernels.sm100_*"),  # kernels
     ("kernels.sm90_parts", "kernels.sm100_parts"),                  # kernel parts
     ("smem", "reference", "operands", "formats", "records"),        # foundations
 ]

@@ -5,7 +5,7 @@ from w4a4_book import gemm
 from w4a4_book.formats import quantize
 from w4a4_book.operands import Problem
 from w4a4_book.reference import w4a4_gemm_exact
-from w4a4_book.smem import HopperPgConfig
+from w4a4_book.smem import HopperPgConfig, HopperPgSmemConfig
 
 
 def pg_problem(M, N, K, R=32, out_dtype=torch.bfloat16):
@@ -16,10 +16,21 @@ def pg_problem(M, N, K, R=32, out_dtype=torch.bfloat16):
                                    (dict(cluster_n=2, lora_accounting="pair"), 128)])
 def test_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
     rep = gemm.compile_kernel(HopperPgConfig(**kw), pg_problem(4352, 3072, 3840, R))
+    check_compiled(rep, R, a_in_registers=True)
+
+
+@pytest.mark.parametrize("kw, R", [({}, 32), (dict(cluster_n=2), 128), ({}, 0)])
+def test_decode_warpgroup_variant_compiles(kw, R):
+    rep = gemm.compile_kernel(HopperPgSmemConfig(**kw), pg_problem(4352, 3072, 3840, R))
+    check_compiled(rep, R, a_in_registers=False)
+
+
+def check_compiled(rep, R, a_in_registers):
     assert rep.smem_bytes == rep.budget.allocated
     ins = rep.instructions
-    assert ins["wgmma (int8)"] == 16 and ins["wgmma (16-bit)"] == R // 16 and ins["local memory"] == 0
-    assert rep.count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.satfinite\.s32\.s8\.s8 \{[^}]*\}, \{%r") == 16   # A in registers
+    n = 16 if a_in_registers else 8                     # PTX copies of the K-block's four wgmmas (peeled blocks)
+    assert ins["wgmma (int8)"] == n and ins["wgmma (16-bit)"] == R // 16 and ins["local memory"] == 0
+    assert rep.count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.satfinite\.s32\.s8\.s8 \{[^}]*\}, \{%r") == (n if a_in_registers else 0)
     res = rep.ptxas()
     if res is None:
         pytest.skip("no ptxas on this machine")
@@ -102,6 +113,16 @@ def test_matches_exact_reference(M, N, K, R, out_dtype, affine, cluster_n, tile_
     gemm.gemm_w4a4(*case, out_dtype=out_dtype, config=HopperPgConfig(cluster_n=cluster_n, tile_m=tile_m), out=out)
     torch.cuda.synchronize()
     check_exact(out, case, out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K, R, cluster_n", [(300, 512, 1024, 128, 1), (4352, 3072, 3840, 32, 2), (777, 3840, 1536, 0, 1)])
+def test_decode_warpgroup_variant_matches_exact_reference(M, N, K, R, cluster_n):
+    case = make_pg_case(M, N, K, R, seed=M + K)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm.gemm_w4a4(*case, config=HopperPgSmemConfig(cluster_n=cluster_n), out=out)
+    torch.cuda.synchronize()
+    check_exact(out, case, torch.bfloat16)
 
 
 @pytest.mark.gpu

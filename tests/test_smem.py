@@ -99,6 +99,16 @@ PINNED = {
     ("orig-256x128-r128", "pair"): (4, 1, 2, 230_400, 181_248),
     ("orig-256x128-r128-l2", "per_cta"): (4, 2, 2, 230_400, 230_400),
     ("orig-256x128-r128-l2", "pair"): None,
+    ("pg-r32", "per_cta"): (4, 1, 2, 206_848, 206_848),
+    ("pg-r32", "pair"): (4, 1, 2, 206_848, 206_848),
+    ("pg-r128", "per_cta"): (2, 1, 2, 198_656, 198_656),
+    ("pg-r128", "pair"): (2, 1, 2, 198_656, 198_656),
+    ("pg-2cta-r32", "per_cta"): (4, 1, 2, 206_848, 206_848),
+    ("pg-2cta-r32", "pair"): (4, 1, 2, 215_040, 206_848),
+    ("pg-2cta-r128", "per_cta"): (2, 1, 2, 198_656, 198_656),
+    ("pg-2cta-r128", "pair"): (2, 1, 2, 231_424, 198_656),
+    ("pg-smem-r32", "per_cta"): (6, 1, 2, 216_064, 216_064),
+    ("pg-smem-r32", "pair"): (6, 1, 2, 216_064, 216_064),
 }
 
 
@@ -203,7 +213,7 @@ def test_explain():
 
 # ---- the layout rule is cute.struct's rule ----
 
-_CUTE_TYPES = {"int64": "Int64", "int32": "Int32", "float32": "Float32", "bfloat16": "BFloat16", "float16": "Float16",
+_CUTE_TYPES = {"int64": "Int64", "int32": "Int32", "uint32": "Uint32", "float32": "Float32", "bfloat16": "BFloat16", "float16": "Float16",
                "uint8": "Uint8", "int8": "Int8", "float8_e4m3fn": "Float8E4M3FN", "float4_e2m1fn": "Float4E2M1FN"}
 
 

@@ -7,7 +7,8 @@ __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALI
            'STAGE_KINDS', 'LORA_ACCOUNTING', 'GROUP_SIZE', 'PG_GROUP', 'SM100_EPI_TILE', 'PROMOTIONS', 'ABLATIONS',
            'FAMILIES', 'CONFIGS', 'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig',
            'hopper_v1_terms', 'HopperV2Config', 'hopper_v2_terms', 'HopperPgConfig', 'hopper_pg_terms',
-           'blackwell_orig_terms', 'Family', 'check_config', 'Budget', 'solve', 'explain']
+           'HopperPgSmemConfig', 'hopper_pg_smem_terms', 'blackwell_orig_terms', 'Family', 'check_config', 'Budget',
+           'solve', 'explain']
 
 # %% ../nbs/03_smem.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -194,7 +195,7 @@ def hopper_v2_terms(cfg: HopperV2Config, stages: dict, accounting: str) -> list:
         Term("b_scales_dec", D * BK // G * BN * sb, TMA_SMEM_ALIGN, cfg.scale_dtype, "decode", "the stage's column scales, likewise")]
     return t
 
-# %% ../nbs/03_smem.ipynb #10b028ff
+# %% ../nbs/03_smem.ipynb #1ad7bb9b
 PG_GROUP = 64                   # int4_pg: one u per 64 values along K (formats.PG_GROUP)
 
 @dataclass(frozen=True)
@@ -248,6 +249,27 @@ def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
     t += [Term("affine", 0, 1, cfg.out_dtype, None, "bases, wcscales and bias are read from global memory in the epilogue"),
           Term("epilogue", E * BN * cfg.epi_tile_m * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "epi",
                "per MMA warpgroup, a ring of 64 x epi_tile_m output sub-tiles, transposed by stmatrix, for the TMA store")]
+    return t
+
+# %% ../nbs/03_smem.ipynb #c99f940b
+@dataclass(frozen=True)
+class HopperPgSmemConfig(HopperPgConfig):
+    "The exact-integer mainloop with a decode warpgroup: int8 weights through a decoded ring in shared memory."
+    tile_m: int = 128               # 512 threads leave 128 registers a thread at launch: a 64×256 accumulator alone is 128
+    decode_stages: int = 2
+    family: ClassVar[str] = "hopper_pg_smem"
+    mainloop: ClassVar[str] = "smem"
+
+def hopper_pg_smem_terms(cfg: HopperPgSmemConfig, stages: dict, accounting: str) -> list:
+    "The register-decode layout plus the decoded ring: its barriers and `decode_stages` int8 weight tiles."
+    D = stages["decode"]
+    t = hopper_pg_terms(cfg, stages, accounting)
+    after = lambda name: next(i for i, x in enumerate(t) if x.name == name) + 1
+    t[after("main_empty"):after("main_empty")] = [
+        Term("dec_full", MBARRIER_BYTES * D, MBARRIER_BYTES, "int64", "decode", "the decode warpgroup has filled a decoded stage"),
+        Term("dec_empty", MBARRIER_BYTES * D, MBARRIER_BYTES, "int64", "decode", "the MMA warpgroups hand a decoded stage back")]
+    t[after("act"):after("act")] = [
+        Term("w_decoded", D * cfg.tile_n * cfg.tile_k, SWIZZLE_128B_ALIGN, "int8", "decode", "int8 q*u weights, wgmma's A operand")]
     return t
 
 # %% ../nbs/03_smem.ipynb #2682fd44
@@ -332,6 +354,11 @@ def _check_hopper_pg(cfg):
     _choice(cfg, "lora_dtype", ("bfloat16", "float16"))
     _choice(cfg, "scale_dtype", ("uint8",))
 
+def _check_hopper_pg_smem(cfg):
+    _check_hopper_pg(cfg)
+    _int(cfg, "tile_m", 64, 128, 64, "512 threads leave each 128 registers at launch, and a 64 x tile_m int32 accumulator takes tile_m / 2")
+    _int(cfg, "decode_stages", 1, 4)
+
 def _check_blackwell_orig(cfg):
     _int(cfg, "cta_group", 1, 2)
     _int(cfg, "tile_m", 128, 256, 128)
@@ -360,6 +387,8 @@ FAMILIES = {
                            given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=0)),
     HopperPgConfig: Family(hopper_pg_terms, _check_hopper_pg, archs=("sm_90",), fmt="int4_pg",
                            given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
+    HopperPgSmemConfig: Family(hopper_pg_smem_terms, _check_hopper_pg_smem, archs=("sm_90",), fmt="int4_pg",
+                               given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
     BlackwellOrigConfig: Family(blackwell_orig_terms, _check_blackwell_orig, archs=("sm_100",), fmt="nvfp4", fill="epi",
                                 given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
 }
@@ -481,6 +510,7 @@ CONFIGS = {
     "pg-r128": HopperPgConfig(lora_rank=128),
     "pg-2cta-r32": HopperPgConfig(cluster_n=2, lora_rank=32),
     "pg-2cta-r128": HopperPgConfig(cluster_n=2, lora_rank=128),
+    "pg-smem-r32": HopperPgSmemConfig(lora_rank=32),
     "orig-256x256-r32": BlackwellOrigConfig(lora_rank=32),
     "orig-256x256-r128": BlackwellOrigConfig(lora_rank=128),
     "orig-256x128-r128": BlackwellOrigConfig(tile_n=128, lora_rank=128),

@@ -21,7 +21,7 @@ __all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'ACTIVATION_FORMATS', 'lay
            'add_arguments', 'run']
 
 # %% ../../nbs/09c_bench_layer.ipynb #7cb7f5b6
-LAYER_PATHS = ("torch_bf16", "torch_fp8", "w4a4", "w4a4_torch_quant")
+LAYER_PATHS = ("torch_bf16", "torch_fp8", "w4a4", "w4a4_torch_quant", "w4a4_pg")   # w4a4: int4 weights; w4a4_pg: int4_pg
 # paths that cannot be captured in a CUDA graph (a failed capture leaves the process unusable, so none is tried)
 EAGER_ONLY = {"w4a4_torch_quant": "formats.quantize checks finiteness on the host, a synchronisation"}
 LAYER_SETS = ("m4352", "m256")   # the benchmark's shape sets the layer is timed on; "all" is both
@@ -34,7 +34,8 @@ def layer_paths(M: int, K: int, N: int, R: int = 32, seed: int = 0) -> tuple:
         lin.weight.copy_(torch.randn(N, K, device="cuda", generator=g) / K ** 0.5)
         lin.bias.copy_(torch.randn(N, device="cuda", generator=g) * 0.1)
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
-    layer = W4A4Linear.from_linear(lin, rank=R, act_sample=x[:256].float(), dtype=torch.bfloat16, backend="sm90")
+    layer = W4A4Linear.from_linear(lin, rank=R, act_sample=x[:256].float(), dtype=torch.bfloat16, backend="sm90", fmt="int4")
+    pg = W4A4Linear.from_linear(lin, rank=R, act_sample=x[:256].float(), dtype=torch.bfloat16, backend="sm90", fmt="int4_pg")
     down, up = layer.lora_down, layer.lora_up
     # the torch paths run the same split: a residual weight plus the LoRA branch, together equal to lin.weight
     w_res = lin.weight.detach() - up.float() @ down.float().T
@@ -51,7 +52,7 @@ def layer_paths(M: int, K: int, N: int, R: int = 32, seed: int = 0) -> tuple:
         return gemm.gemm_w4a4(act, layer.qweight, lora_act, up, layer.wcscales, layer.bias, out_dtype=layer.dtype,
                               config=layer.kernel_config)
     paths = {"torch_bf16": lambda: F.linear(x, w, b).addmm_(x @ down, up.T), "torch_fp8": torch_fp8,
-             "w4a4": lambda: layer(x), "w4a4_torch_quant": torch_quant}
+             "w4a4": lambda: layer(x), "w4a4_torch_quant": torch_quant, "w4a4_pg": lambda: pg(x)}
     with torch.no_grad():
         ref = lin(x.float())
     return paths, ref
@@ -83,8 +84,11 @@ def layer_table(rows: list) -> str:
         base = by[("torch_fp8", M, K, N)]["median_ms"]
         line = {"M×K→N": f"{M}×{K}→{N}", "R": R}
         for p in LAYER_PATHS:
-            line[f"{p} ms"] = f"{by[(p, M, K, N)]['median_ms']:.3f}"
+            if (p, M, K, N) in by:                     # records from before a path existed lack it
+                line[f"{p} ms"] = f"{by[(p, M, K, N)]['median_ms']:.3f}"
         line["w4a4 / torch_fp8"] = f"{base / by[('w4a4', M, K, N)]['median_ms']:.2f}×"
+        if ("w4a4_pg", M, K, N) in by:
+            line["w4a4_pg / torch_fp8"] = f"{base / by[('w4a4_pg', M, K, N)]['median_ms']:.2f}×"
         line["w4a4 / w4a4_torch_quant"] = f"{by[('w4a4_torch_quant', M, K, N)]['median_ms'] / by[('w4a4', M, K, N)]['median_ms']:.2f}×"
         out.append(line)
     return markdown_table(out)
@@ -107,29 +111,40 @@ def copy_bandwidth(nbytes: int = 2 ** 30, iters: int = 20) -> float:
     t = time_cuda(lambda: dst.copy_(src), warmup=3, iters=iters, flush_l2=False)
     return 2 * nbytes / (t["median_ms"] * 1e-3)
 
+def _activation_inputs(M: int, K: int, R: int) -> tuple:
+    "Seeded bf16 `x` `[M, K]`, `smooth` `[K]` and `lora_down_t` `[R, K]` (None when `R` is 0) on the current GPU."
+    g = torch.Generator(device="cuda").manual_seed(M + K)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    smooth = (torch.rand(K, device="cuda", generator=g) + 0.5).bfloat16()
+    ldt = (torch.randn(R, K, device="cuda", generator=g) / K ** 0.5).bfloat16() if R else None
+    return x, smooth, ldt
+
 def run_activation_bench(shapes, R: int = 32, fmts=ACTIVATION_FORMATS, iters: int = 50, warmup: int = 10, quiet: bool = False) -> list:
-    "Time `gemm.quantize_lora_down` per format on each `(M, K)`, with the copy bandwidth of the same run; one row per pair."
+    """Time `gemm.quantize_lora_down` per format on each `(M, K)` as CUDA-graph replays (the row's timing fields, its
+    bandwidth), and eagerly beside it (`eager_*_ms`), with the copy bandwidth of the same run; one row per pair."""
     copy = copy_bandwidth()
     rows = []
     for M, K in shapes:
-        g = torch.Generator(device="cuda").manual_seed(M + K)
-        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
-        smooth = (torch.rand(K, device="cuda", generator=g) + 0.5).bfloat16()
-        ldt = (torch.randn(R, K, device="cuda", generator=g) / K ** 0.5).bfloat16() if R else None
+        x, smooth, ldt = _activation_inputs(M, K, R)
         splits = gemm.k_splits(-(-M // 64), K // 64, gemm.sm_count(torch.cuda.current_device()))
         for fmt in fmts:
-            t = time_cuda(lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt), warmup=warmup, iters=iters)
+            call = lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt)
+            eager = time_cuda(call, warmup=warmup, iters=iters)
+            t = time_cuda(call, warmup=warmup, iters=iters, graph=True)
             nbytes = activation_bytes(M, K, R, fmt, splits)
             bw = nbytes / (t["median_ms"] * 1e-3)
             rows.append(dict(method=f"activation_{fmt}", fmt=fmt, M=M, K=K, R=R, k_splits=splits, bytes=nbytes, **t,
-                             bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy))
-            if not quiet: print(f"{M}x{K} R={R} {fmt}: {t['median_ms'] * 1e3:.1f} us, {bw / 1e12:.2f} TB/s = {bw / copy:.0%} of copy", flush=True)
+                             timing="graph", eager_median_ms=eager["median_ms"], eager_p10_ms=eager["p10_ms"],
+                             eager_p90_ms=eager["p90_ms"], bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy))
+            if not quiet: print(f"{M}x{K} R={R} {fmt}: {t['median_ms'] * 1e3:.1f} us (graph), {eager['median_ms'] * 1e3:.1f} us eager, "
+                                f"{bw / 1e12:.2f} TB/s = {bw / copy:.0%} of copy", flush=True)
     return rows
 
 def activation_table(rows: list) -> str:
-    "Microseconds, bytes moved and the fraction of the copy bandwidth, per shape and format."
+    "Microseconds (graph replays, and eager), bytes moved and the fraction of the copy bandwidth, per shape and format."
     return markdown_table([{"M×K": f"{r['M']}×{r['K']}", "R": r["R"], "format": r["fmt"], "passes": 1 if r["fmt"] == "int4" else 2,
                             "MB moved": f"{r['bytes'] / 1e6:.1f}", "µs": f"{r['median_ms'] * 1e3:.1f}",
+                            "eager µs": "—" if r.get("eager_median_ms") is None else f"{r['eager_median_ms'] * 1e3:.1f}",
                             "TB/s": f"{r['bandwidth'] / 1e12:.2f}", "of copy": f"{r['of_copy']:.0%}"} for r in rows])
 
 # %% ../../nbs/09c_bench_layer.ipynb #1c0d0e0d
@@ -146,7 +161,8 @@ def add_arguments(p) -> None:
     p.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays: GPU time without the per-call host work")
-    p.add_argument("--activation", action="store_true", help="time the activation kernel alone, per format, against the copy bandwidth")
+    p.add_argument("--activation", action="store_true",
+                   help="time the activation kernel alone, per format (CUDA-graph replays, and eager beside), against the copy bandwidth")
     p.add_argument("--out", default=None, help="record path (default: nbs/data/layer_<gpu>.json, layer_<gpu>_graph.json or activation_<gpu>.json)")
 
 def run(args) -> int:
@@ -180,6 +196,6 @@ def _run_activation(args, shapes) -> int:
     gpu = torch.cuda.get_device_name()
     path = args.out or data_dir() / f"activation_{gpu_key(gpu).lower().replace(' ', '-')}.json"
     cmd = f"w4a4-book bench-layer --activation --shapes {args.shapes} --rank {args.rank} --iters {args.iters}"
-    prov = provenance(cmd, [list(s) for s in shapes], kind="activation", rank=args.rank)
+    prov = provenance(cmd, [list(s) for s in shapes], kind="activation", rank=args.rank, timing="cuda_graph")
     print(f"saved {save_record(path, prov, rows)}")
     return 0

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shlex
 import sys
@@ -14,16 +15,16 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..formats import GROUP_SIZE
 from ..records import data_dir, list_records, load_record, markdown_table, provenance, save_record, validate
 from .timing import MIN_ITERS, gpu_key, peak_for
-from .workloads import ALL_METHODS, METHODS, SHAPE_SETS, bench_problems, run_bench
+from .workloads import ALL_METHODS, BENCH_FORMATS, SHAPE_SETS, bench_problems, default_methods, run_bench
 
 # %% auto #0
-__all__ = ['FLOOR_FRACTION', 'VALUE_FORMATS', 'RATIO_PAIRS', 'README_RECORDS', 'LORA_RECORD', 'README_COLUMNS', 'bench_path',
-           'save_bench', 'mfu_floors', 'check_floors', 'latest_record', 'recorded_rows', 'bench_table', 'plot_bench',
-           'speedups', 'ratio_table', 'record_line', 'recorded_report', 'large_m', 'readme_table', 'standing',
-           'lora_line', 'readme_results', 'add_arguments', 'run', 'bench_cli']
+__all__ = ['FLOOR_FRACTION', 'VALUE_FORMATS', 'RATIO_PAIRS', 'PG_TARGETS', 'GEOMEAN_M', 'GEOMEAN_R', 'README_RECORDS',
+           'LORA_RECORD', 'README_COLUMNS', 'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record',
+           'recorded_rows', 'bench_table', 'plot_bench', 'speedups', 'ratio_table', 'geomean', 'pg_targets',
+           'target_lines', 'record_line', 'recorded_report', 'large_m', 'readme_table', 'standing', 'lora_line',
+           'readme_results', 'add_arguments', 'run', 'bench_cli']
 
 # %% ../../nbs/09b_report.ipynb #73c5dfaa
 FLOOR_FRACTION = 0.9   # a kernel fails --check below this fraction of its recorded MFU
@@ -150,6 +151,76 @@ def ratio_table(rows: list[dict], pairs: Sequence[tuple[str, str]] = RATIO_PAIRS
                             **{k: f"{v[M, N, K, R]:.2f}×" if (M, N, K, R) in v else "—" for k, v in ratios.items()}}
                            for M, N, K, R in dict.fromkeys(map(_shape, rows))])
 
+# %% ../../nbs/09b_report.ipynb #5b2e0c02
+PG_TARGETS = (   # (method role or name, over, at least, where): "each" problem, or the "geomean" over the GEOMEAN set
+    ("kernel", "cute_int8_gemm", 0.8, "each"),
+    ("kernel", "torch_fp8_rowwise", 1.0, "each"),
+    ("pure", "cute_int8_gemm", 0.9, "each"),
+    ("kernel", "torch_fp8_rowwise", 1.25, "geomean"),
+    ("kernel", "torch_bf16", 2.0, "geomean"),
+)
+GEOMEAN_M, GEOMEAN_R = 4352, 32   # the problems a geometric-mean target is taken over: the four layers at M = 4352, R = 32
+
+def geomean(values: Sequence[float]) -> float:
+    "The geometric mean of positive `values`."
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"values must be a non-empty list of positive numbers, got {values!r}")
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+def _verdict(name: str, ratios: dict, problems: list, threshold: float, where: str) -> dict:
+    "One target's verdict: its worst ratio (`each`) or geometric mean over `problems`, and the problems without a ratio."
+    missing = [p for p in problems if p not in ratios]
+    got = [ratios[p] for p in problems if p in ratios]
+    value = (min(got) if where == "each" else geomean(got)) if got else None
+    return dict(target=name, threshold=threshold, where=where, value=value,
+                passed=bool(problems) and not missing and value >= threshold,
+                missing=[f"{M}×{N}×{K} R={R}" for M, N, K, R in missing])
+
+def pg_targets(rows: list[dict], kernel: str = "w4a4_pg", pure: str | None = "w4a4_pg_pure",
+               targets: Sequence[tuple] = PG_TARGETS) -> tuple[str, list[dict]]:
+    """`(table, verdicts)` of `targets` for the rows of one run: a Markdown table (per problem: `kernel`'s TFLOP/s and
+    MFU, each ratio marked against its per-problem target; then the geometric means) and one verdict dict per target
+    (`target`, `threshold`, `where`, `value`, `passed`, `missing`). `pure=None` drops the targets of the pure GEMM."""
+    fmts = {r["fmt"] for r in rows}
+    if len(fmts) != 1:
+        raise ValueError(f"rows must come from one run of one format, got formats {sorted(fmts)}")
+    role = {"kernel": kernel, "pure": pure}
+    named = [(role.get(m, m), o, t, where) for m, o, t, where in targets if role.get(m, m) is not None]
+    pairs = list(dict.fromkeys((m, o) for m, o, _, _ in named))
+    ratios = {pair: speedups(rows, *pair) for pair in pairs}
+    problems = list(dict.fromkeys(map(_shape, rows)))
+    big = [p for p in problems if p[0] == GEOMEAN_M and p[3] == GEOMEAN_R]
+    cell = {(_shape(r), r["method"]): r for r in rows}
+    mark = lambda v, t: f"{v:.2f}×" + ("" if t is None else " ✓" if v >= t else " ✗")
+    lines = []
+    for p in problems:
+        k = cell.get((p, kernel), {})
+        line = {"M×N×K": f"{p[0]}×{p[1]}×{p[2]}", "R": p[3],
+                f"{kernel} TFLOP/s": "—" if k.get("tflops") is None else f"{k['tflops']:.0f}",
+                f"{kernel} MFU": "—" if k.get("mfu") is None else f"{k['mfu']:.1%}"}
+        for m, o in pairs:
+            t = next((t for mm, oo, t, where in named if (mm, oo) == (m, o) and where == "each"), None)
+            line[f"{m} / {o}"] = mark(ratios[m, o][p], t) if p in ratios[m, o] else "—"
+        lines.append(line)
+    gm = {"M×N×K": f"geomean, M = {GEOMEAN_M}", "R": GEOMEAN_R, f"{kernel} TFLOP/s": "", f"{kernel} MFU": ""}
+    for m, o in pairs:
+        t = next((t for mm, oo, t, where in named if (mm, oo) == (m, o) and where == "geomean"), None)
+        got = [ratios[m, o][p] for p in big if p in ratios[m, o]]
+        gm[f"{m} / {o}"] = mark(geomean(got), t) if t is not None and got and len(got) == len(big) else ""
+    verdicts = [_verdict(f"{m} / {o} ≥ {t}" + (" on every problem" if where == "each" else
+                         f" (geometric mean over M = {GEOMEAN_M}, R = {GEOMEAN_R})"),
+                         ratios[m, o], problems if where == "each" else big, t, where) for m, o, t, where in named]
+    return markdown_table(lines + [gm]), verdicts
+
+def target_lines(verdicts: list[dict]) -> list[str]:
+    "One line per verdict of `pg_targets`: PASS or FAIL, the target, its value, and the problems it could not be judged on."
+    out = []
+    for v in verdicts:
+        value = "no ratio" if v["value"] is None else f"{'worst' if v['where'] == 'each' else 'geomean'} {v['value']:.2f}×"
+        gap = f"; not measured on {', '.join(v['missing'])}" if v["missing"] else ""
+        out.append(f"{'PASS' if v['passed'] else 'FAIL'} {v['target']}: {value}{gap}")
+    return out
+
 # %% ../../nbs/09b_report.ipynb #4c4a0c46
 README_RECORDS = ("bench_h200_all.json", "bench_h200_8192r128.json")   # the bench records the README shows
 LORA_RECORD = "lora_bug_h200.json"                                      # the LoRA accounting record (chapter 6)
@@ -250,20 +321,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     "Options of `w4a4-book bench`."
     p.add_argument("--shapes", choices=SHAPE_SETS, default="all", help="problem set (default: all)")
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="LoRA ranks for every set (default: per set)")
-    p.add_argument("--methods", nargs="+", choices=list(ALL_METHODS), default=list(METHODS),
-                   help="methods to time (default: the main ones; the diagnostics only when named)")
-    p.add_argument("--fmt", choices=tuple(GROUP_SIZE), default="int4", help="4-bit format (default: int4)")
+    p.add_argument("--methods", nargs="+", choices=list(ALL_METHODS), default=None,
+                   help="methods to time (default: the format's set, default_methods; the diagnostics only when named)")
+    p.add_argument("--fmt", choices=BENCH_FORMATS, default="int4",
+                   help="operand formats: int4, nvfp4, int4_pg, or int8 (W4A8: int8 x int4_pg) (default: int4)")
     p.add_argument("--iters", type=int, default=50, help=f"timed calls per method, >= {MIN_ITERS} (default: 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls first (default: 10)")
-    p.add_argument("--tag", default=None, help="record name suffix: bench_<gpu>_<tag>.json (default: the --shapes set)")
+    p.add_argument("--tag", default=None,
+                   help="record name suffix: bench_<gpu>_<tag>.json (default: the --shapes set, after <fmt>_ unless --fmt is int4)")
     p.add_argument("--out", type=Path, default=None, help="record path (default: nbs/data/bench_<gpu>_<tag>.json)")
     p.add_argument("--check", action="store_true", help=f"fail when a kernel is below {FLOOR_FRACTION} x its recorded MFU")
     p.add_argument("--baseline", type=Path, default=None,
                    help="record to check against (default: every record for this GPU, the newest row per method and shape)")
 
+def _methods(args: argparse.Namespace) -> list[str]:
+    "The methods of `args`: those named, or the format's default set."
+    return list(args.methods) if args.methods else default_methods(args.fmt)
+
+def _tag(args: argparse.Namespace) -> str:
+    "The record name suffix: `--tag`, or the shape set, prefixed by the format unless it is int4 (so runs of two formats never share a record)."
+    return args.tag or (args.shapes if args.fmt == "int4" else f"{args.fmt}_{args.shapes}")
+
+def _print_targets(rows: list[dict], fmt: str, names: list[str]) -> None:
+    "For an int4_pg or int8 run that timed its kernel: the targets' table and verdicts (`pg_targets`); informational, not the exit status."
+    kernel, pure = {"int4_pg": ("w4a4_pg", "w4a4_pg_pure"), "int8": ("w4a8", None)}.get(fmt, (None, None))
+    if kernel not in names:
+        return
+    try:
+        table, verdicts = pg_targets(rows, kernel, pure if pure in names else None)
+    except ValueError as e:
+        print(f"note: the {fmt} targets were not computed: {e}", file=sys.stderr)
+        return
+    print(table)
+    print("\n".join(target_lines(verdicts)))
+
 def _command(args: argparse.Namespace) -> str:
     "The full command line that repeats the measurement of `args`."
-    parts = ["--shapes", args.shapes, "--methods", *args.methods, "--fmt", args.fmt, "--iters", str(args.iters),
+    parts = ["--shapes", args.shapes, "--methods", *_methods(args), "--fmt", args.fmt, "--iters", str(args.iters),
              "--warmup", str(args.warmup)]
     if args.ranks:
         parts += ["--ranks", *map(str, args.ranks)]
@@ -271,9 +365,10 @@ def _command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     "Measure, print the table, then save a record or (`--check`) compare with one; return the exit code."
-    problems = bench_problems(args.shapes, args.ranks)
-    rows = run_bench(problems, args.methods, fmt=args.fmt, iters=args.iters, warmup=args.warmup)
+    problems, names = bench_problems(args.shapes, args.ranks), _methods(args)
+    rows = run_bench(problems, names, fmt=args.fmt, iters=args.iters, warmup=args.warmup)
     print(bench_table(rows))
+    _print_targets(rows, args.fmt, names)
     for r in rows:
         if r["note"]:
             print(f"note: {r['method']} {r['M']}x{r['N']}x{r['K']} R={r['R']}: {r['note']}", file=sys.stderr)
@@ -288,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"check against {baseline}: {'FAILED' if failures else 'passed'}")
         status = 1 if failures else 0
     if args.out is not None or not args.check:
-        path = args.out or bench_path(gpu_name, args.tag or args.shapes)
+        path = args.out or bench_path(gpu_name, _tag(args))
         print(f"saved {save_bench(rows, path, command=_command(args), iters=args.iters, warmup=args.warmup)}")
     return status
 

@@ -14,17 +14,19 @@ from tqdm import tqdm
 
 import w4a4_book.smem as smem
 from .. import gemm
-from ..formats import GROUP_SIZE, QTensor, check_fmt, decode_table, dequantize, quantize
-from ..operands import LORA_RANK_MULTIPLE, LOW_PRECISION, Problem, check_gemm_operands
+from ..formats import INT_FORMATS, K_MULTIPLE, QTensor, check_fmt, decode_table, dequantize, quantize
+from ..operands import LORA_RANK_MULTIPLE, LOW_PRECISION, Problem, check_gemm_operands, check_int32_sum
 from ..reference import w4a4_gemm_dequant
 from ..smem import HopperV1Config, HopperV2Config
 from .timing import check_timing, mfu, peak_for, rel_err, require_cuda, tflops, time_cuda
 
 # %% auto #0
-__all__ = ['LAYER_KN', 'GROUP_RANKS', 'SHAPE_SETS', 'OUT_DTYPES', 'FP8_MAX', 'BASELINES', 'KERNELS', 'METHODS', 'STOCK_GEMM_ENV',
-           'DIAGNOSTICS', 'ALL_METHODS', 'bench_problems', 'Workload', 'make_workload', 'torch_bf16',
-           'torch_fp8_rowwise', 'byte_table', 'dequantize_bf16', 'naive_dequant', 'Method', 'kernel_method',
-           'kernel_unavailable', 'torch_fp8_gemm', 'stock_fp8_gemm', 'pure_kernel_method', 'run_bench']
+__all__ = ['LAYER_KN', 'GROUP_RANKS', 'SHAPE_SETS', 'OUT_DTYPES', 'WORKLOAD_FORMATS', 'BENCH_FORMATS', 'FP8_MAX', 'BASELINES',
+           'KERNELS', 'METHODS', 'STOCK_GEMM_ENV', 'STOCK_TILE', 'STOCK_CLUSTER', 'STOCK_GEMMS', 'DIAGNOSTICS',
+           'PG_KERNEL', 'PG_KERNELS', 'DEFAULT_METHODS', 'ALL_METHODS', 'bench_problems', 'Workload', 'make_workload',
+           'torch_bf16', 'torch_fp8_rowwise', 'byte_table', 'dequantize_bf16', 'naive_dequant', 'Method', 'KernelRef',
+           'resolve_config', 'kernel_method', 'kernel_unavailable', 'torch_fp8_gemm', 'stock_gemm_kernel', 'stock_gemm',
+           'stock_fp8_gemm', 'stock_int8_gemm', 'stock_gemm_ptx', 'pure_kernel_method', 'default_methods', 'run_bench']
 
 # %% ../../nbs/09_bench.ipynb #fad40496
 LAYER_KN = ((3840, 3072), (3840, 15360), (15360, 3840), (10240, 3072))   # (K, N) of the benchmarked layers
@@ -45,7 +47,7 @@ def bench_problems(which: str = "all", ranks: Sequence[int] | None = None) -> li
 # %% ../../nbs/09_bench.ipynb #7ae82523
 @dataclass(frozen=True, eq=False)
 class Workload:
-    "One benchmark input: 4-bit operands, LoRA factors, per-column affine, and the output dtype."
+    "One benchmark input: the quantized operands, LoRA factors, per-column affine, and the output dtype."
     act: QTensor              # [M, K]
     wgt: QTensor              # [N, K]
     lora_act: torch.Tensor    # [M, R] bf16
@@ -70,16 +72,31 @@ class Workload:
         return check_gemm_operands(*self.operands, out_dtype=self.out_dtype)
 
 OUT_DTYPES = LOW_PRECISION   # the output dtypes a workload may ask for: those every kernel and baseline writes
+# a benchmark run's `fmt` -> the (activation, weight) formats of its operands; "int8" is W4A8: int8 x int4_pg
+WORKLOAD_FORMATS = {"int4": ("int4", "int4"), "nvfp4": ("nvfp4", "nvfp4"), "int4_pg": ("int4_pg", "int4_pg"),
+                    "int8": ("int8", "int4_pg")}
+BENCH_FORMATS = tuple(WORKLOAD_FORMATS)
+
+def _quantize_act(x: torch.Tensor, fmt: str) -> QTensor:
+    """Activations of `fmt` in the form the kernels take them: int4_pg in the int8 packing (q·u, no u), as
+    `gemm.quantize_lora_down(..., fmt="int4_pg")` writes them; the other formats as `quantize` makes them."""
+    q = quantize(x, fmt)
+    if fmt != "int4_pg":
+        return q
+    q = q.as_int8()
+    return QTensor(q.data, None, "int4_pg", base=q.base)
 
 def make_workload(M: int, N: int, K: int, R: int, fmt: str = "int4", out_dtype: torch.dtype = torch.bfloat16,
                   device: str | torch.device = "cuda", seed: int = 0) -> Workload:
-    "Random, seeded inputs for an `M`×`N`×`K` W4A4 GEMM with a rank-`R` LoRA, built on `device`."
+    """Random, seeded inputs for an `M`×`N`×`K` GEMM of `fmt` (`WORKLOAD_FORMATS`: the operands' formats) with a
+    rank-`R` LoRA, built on `device`."""
     for name, v in dict(M=M, N=N, K=K, R=R).items():
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
-    check_fmt(fmt)
-    if K % GROUP_SIZE[fmt]:
-        raise ValueError(f"K={K} is not a multiple of the {fmt} group size {GROUP_SIZE[fmt]}")
+    act_fmt, wgt_fmt = WORKLOAD_FORMATS[check_fmt(fmt, BENCH_FORMATS)]
+    if K % K_MULTIPLE[wgt_fmt]:
+        raise ValueError(f"K={K} is not a multiple of the {wgt_fmt} group size {K_MULTIPLE[wgt_fmt]}")
+    check_int32_sum(K, act_fmt, wgt_fmt)      # the integer pairs: one exact int32 sum over K
     if R % LORA_RANK_MULTIPLE:
         raise ValueError(f"R={R} is not a multiple of {LORA_RANK_MULTIPLE}")
     if out_dtype not in OUT_DTYPES:
@@ -87,7 +104,7 @@ def make_workload(M: int, N: int, K: int, R: int, fmt: str = "int4", out_dtype: 
     g = torch.Generator(device=device).manual_seed(seed)
     def randn(*shape):
         return torch.randn(*shape, generator=g, device=device)
-    act, wgt = quantize(randn(M, K), fmt), quantize(randn(N, K), fmt)
+    act, wgt = _quantize_act(randn(M, K), act_fmt), quantize(randn(N, K), wgt_fmt)
     bf16 = torch.bfloat16
     wcscales = torch.rand(N, generator=g, device=device) + 0.5
     return Workload(act, wgt, randn(M, R).to(bf16), randn(N, R).to(bf16), wcscales.to(bf16), randn(N).to(bf16), out_dtype)
@@ -125,20 +142,28 @@ def torch_fp8_rowwise(w: Workload) -> Callable[[], torch.Tensor]:
 
 # %% ../../nbs/09_bench.ipynb #3d60d226
 def byte_table(fmt: str, device: str | torch.device) -> torch.Tensor:
-    "bf16 `[256, 2]`: the values of the low and high nibble of every byte, for `fmt`."
-    values = decode_table(fmt)
+    "bf16 `[256, 2]`: the values of the low and high nibble of every byte, for `fmt` (int4_pg's codes are int4's)."
+    values = decode_table("int4" if fmt == "int4_pg" else fmt)
     b = torch.arange(256)
     return torch.stack((values[b & 0xF], values[b >> 4]), dim=-1).to(device=device, dtype=torch.bfloat16)
 
-def dequantize_bf16(q: QTensor, table: torch.Tensor) -> torch.Tensor:
-    "Decode `q` to bf16 `[rows, K]` with PyTorch ops: a byte-table gather, then the group (and tensor) scales."
+def dequantize_bf16(q: QTensor, table: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode `q` to bf16 `[rows, K]` with PyTorch ops. Nibbles: a byte-table gather, then the group scales (and
+    the tensor scale, or int4_pg's row `base`). The int8 packing (`q·u` or int8 codes): a cast, exact in bf16, times
+    the row `base`; it needs no `table`."""
+    bf16 = torch.bfloat16
+    if q.packing == "int8":
+        return q.data.to(bf16) * q.base.to(bf16)[:, None]
     vals = table[q.data.long()].view(q.rows, q.k // q.group_size, q.group_size)
+    if q.fmt in INT_FORMATS:     # int4_pg: q·u is exact in bf16 (|q·u| <= 120), then one rounding by base
+        return (vals * q.scales.T.to(bf16).unsqueeze(-1)).view(q.rows, q.k) * q.base.to(bf16)[:, None]
     scales = q.scales.T if q.global_scale is None else q.scales.T.float() * q.global_scale
-    return (vals * scales.to(torch.bfloat16).unsqueeze(-1)).view(q.rows, q.k)
+    return (vals * scales.to(bf16).unsqueeze(-1)).view(q.rows, q.k)
 
 def naive_dequant(w: Workload) -> Callable[[], torch.Tensor]:
-    "Decode both 4-bit operands to bf16 inside every call, then bf16 GEMM + LoRA + affine."
-    table = byte_table(w.act.fmt, w.act.device)
+    """Decode both operands to bf16 inside every call, then bf16 GEMM + LoRA + affine. int8-packed activations
+    (int4_pg's `q·u`, W4A8's codes) are decoded by a cast and a row scale; 4-bit weights by the byte table."""
+    table = byte_table(w.wgt.fmt, w.wgt.device)
     return lambda: _lora_affine(dequantize_bf16(w.act, table) @ dequantize_bf16(w.wgt, table).T, w)
 
 # %% ../../nbs/09_bench.ipynb #a4dac196
@@ -149,28 +174,67 @@ class Method:
     build: Callable[[Workload], Callable[[], torch.Tensor]]
     kernel: bool = False   # one of this book's kernels: `--check` holds it to its recorded MFU floor
     checked: bool = True   # compare its output with the reference (False: it computes something else on purpose)
-    config: object = None  # a kernel's frozen config (`smem.HopperV2Config(...)`); None for the other paths
+    config: object = None  # a kernel's frozen config (`smem.HopperV2Config(...)`) or a `KernelRef`; None for the other paths
+    fmts: tuple | None = None   # the workload formats (`WORKLOAD_FORMATS`) it runs on; None: all of them
 
-def kernel_method(name: str, config, checked: bool = True) -> Method:
-    """A `Method` named `name` that runs the kernel of `config`, a frozen config such as `HopperV2Config(cluster_n=2)`,
-    through `gemm.gemm_launcher`: checks, compilation and argument conversion happen once when it is built, and the
-    timed call only enqueues the kernel. `checked=False` for a kernel that computes something else on purpose."""
-    gemm.spec_for(config)        # raises naming `config` unless a registered kernel has this config class
-    smem.check_config(config)    # ... and names the first field it cannot build
+@dataclass(frozen=True)
+class KernelRef:
+    """The config of the registered kernel `gemm.find_kernel(kernel, fmt, arch, mainloop)` with `fields` set, looked
+    up by `resolve()` at call time: a kernel method can be declared before its registry row exists."""
+    fmt: str
+    kernel: str | None = None
+    mainloop: str | None = None
+    arch: str = "sm_90a"
+    fields: tuple = ()      # ((name, value), ...): the config fields that differ from their defaults
+
+    def resolve(self):
+        "The config; raises `ValueError` (from `gemm.find_kernel` or `smem.check_config`) when there is no such kernel."
+        config = gemm.find_kernel(self.kernel, self.fmt, self.arch, self.mainloop).config(**dict(self.fields))
+        smem.check_config(config)
+        return config
+
+def resolve_config(config):
+    "`config` itself, or the config a `KernelRef` names, looked up now."
+    return config.resolve() if isinstance(config, KernelRef) else config
+
+def _kernel_build(config, pure: bool, out_dtype: torch.dtype | None) -> Callable:
+    "The builder of a kernel method: the launcher of `config` bound to a workload's operands (act and wgt alone when `pure`)."
     def build(w: Workload) -> Callable[[], torch.Tensor]:
-        launch, out = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=config)
+        ops = (w.act, w.wgt) if pure else w.operands
+        launch, out = gemm.gemm_launcher(*ops, out_dtype=out_dtype or w.out_dtype, config=resolve_config(config))
         def run():
             launch()
             return out
         return run
-    return Method(name, build, kernel=True, checked=checked, config=config)
+    return build
+
+def _kernel_fmts(config, fmts: tuple | None) -> tuple:
+    "The workload formats a kernel method runs on: `fmts`, or the format its kernel computes. Checks a concrete config now."
+    if isinstance(config, KernelRef):
+        fmt = check_fmt(config.fmt, BENCH_FORMATS)
+    else:
+        fmt = gemm.spec_for(config).fmt   # raises naming `config` unless a registered kernel has this config class
+        smem.check_config(config)         # ... and names the first field it cannot build
+    return (fmt,) if fmts is None else tuple(check_fmt(f, BENCH_FORMATS) for f in fmts)
+
+def kernel_method(name: str, config, checked: bool = True, fmts: tuple | None = None) -> Method:
+    """A `Method` named `name` that runs the kernel of `config` (a frozen config such as `HopperV2Config(cluster_n=2)`,
+    or a `KernelRef`) through `gemm.gemm_launcher`: checks, compilation and argument conversion happen once when it is
+    built, and the timed call only enqueues the kernel. `checked=False` for a kernel that computes something else on
+    purpose; `fmts`: the workload formats it runs on (default: its kernel's format)."""
+    return Method(name, _kernel_build(config, False, None), kernel=True, checked=checked, config=config,
+                  fmts=_kernel_fmts(config, fmts))
 
 def kernel_unavailable(config=None) -> str | None:
-    """Why the kernel of `config` (default: `gemm.default_config()`, the format's fastest) cannot run on the current
-    CUDA device, or None when it can: no device, another compute capability, or a kernel module that does not import."""
+    """Why the kernel of `config` (default: `gemm.default_config()`, the format's fastest; or a `KernelRef`) cannot run
+    on the current CUDA device, or None when it can: no device, no such registered kernel, another compute
+    capability, or a kernel module that does not import."""
     if not torch.cuda.is_available():
         return "no CUDA device"
-    config = gemm.default_config() if config is None else config
+    try:
+        config = gemm.default_config() if config is None else resolve_config(config)
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
     spec = gemm.spec_for(config)
     try:
         need = tuple(spec.kernel_class().requirements(config).capability)
@@ -189,6 +253,9 @@ METHODS: dict[str, Method] = {m.name: m for m in BASELINES + KERNELS}
 
 # %% ../../nbs/09_bench.ipynb #7e64f60b
 STOCK_GEMM_ENV = "W4A4_STOCK_GEMM"   # path to dense_gemm_persistent.py of NVIDIA/cutlass v4.3.5
+STOCK_TILE, STOCK_CLUSTER = (128, 256), (2, 1)   # the stock GEMMs' CTA tile (M, N) and cluster (M, N)
+# (A and B, accumulator, C) of each stock GEMM, as cutlass type names; the FP8 one writes bf16 as it was recorded
+STOCK_GEMMS = {"fp8": ("Float8E4M3FN", "Float32", "BFloat16"), "int8": ("Int8", "Int32", "Float16")}
 
 def torch_fp8_gemm(w: Workload) -> Callable[[], torch.Tensor]:
     "FP8 `torch._scaled_mm` alone (row-wise scales; no LoRA, no affine): cuBLAS's FP8 GEMM on this shape."
@@ -197,62 +264,120 @@ def torch_fp8_gemm(w: Workload) -> Callable[[], torch.Tensor]:
     return lambda: torch._scaled_mm(a, b.T, scale_a=sa, scale_b=sb.reshape(1, -1), out_dtype=torch.bfloat16,
                                     use_fast_accum=True)
 
-def stock_fp8_gemm(w: Workload, path: str | None = None) -> Callable[[], torch.Tensor]:
-    "The stock CuTe DSL persistent FP8 GEMM (128×256 tiles, 2×1 cluster) on this shape, from the example at `path` or `$W4A4_STOCK_GEMM`."
+_stock_modules: dict = {}
+
+def stock_gemm_kernel(which: str, path: str | None = None) -> tuple:
+    """`(kernel, (ab, acc, c))`: a new `HopperWgmmaGemmPersistentKernel` of the example at `path` (default
+    `$W4A4_STOCK_GEMM`; loaded once) for `STOCK_GEMMS[which]`, with `STOCK_TILE` and `STOCK_CLUSTER`, and its cutlass types."""
     import importlib.util, os
+    import cutlass
+    if which not in STOCK_GEMMS:
+        raise ValueError(f"which must be one of {', '.join(STOCK_GEMMS)}, got {which!r}")
     path = path or os.environ.get(STOCK_GEMM_ENV)
     if not path:
         raise NotImplementedError(f"set {STOCK_GEMM_ENV} to examples/python/CuTeDSL/hopper/dense_gemm_persistent.py "
                                   "of NVIDIA/cutlass v4.3.5")
-    spec = importlib.util.spec_from_file_location("stock_dense_gemm_persistent", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    if path not in _stock_modules:
+        spec = importlib.util.spec_from_file_location("stock_dense_gemm_persistent", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _stock_modules[path] = mod
+    ab, acc, c = (getattr(cutlass, t) for t in STOCK_GEMMS[which])
+    return _stock_modules[path].HopperWgmmaGemmPersistentKernel(acc, STOCK_TILE, STOCK_CLUSTER, 1, True), (ab, acc, c)
+
+def stock_gemm(w: Workload, which: str, path: str | None = None) -> Callable[[], torch.Tensor]:
+    """The stock CuTe DSL persistent GEMM `which` (`STOCK_GEMMS`) on this workload's M, N, K, compiled for the current
+    GPU, on the example's own random operands (small integers; the workload's values are not used)."""
+    kernel, (ab, _, c_dt) = stock_gemm_kernel(which, path)
     import cutlass, cutlass.cute as cute, cutlass.torch as ct
     import cuda.bindings.driver as cuda
     M, N, K, _ = w.shape
-    f8, bf = cutlass.Float8E4M3FN, cutlass.BFloat16
-    (a, _), (b, _), (c, c_t) = [ct.cute_tensor_like(ct.matrix(1, rows, cols, False, dt), dt, True, 16)
-                                for rows, cols, dt in ((M, K, f8), (N, K, f8), (M, N, bf))]
-    kernel = mod.HopperWgmmaGemmPersistentKernel(cutlass.Float32, (128, 256), (2, 1), 1, True)
+    (a, a_t), (b, b_t), (c, c_t) = [ct.cute_tensor_like(ct.matrix(1, rows, cols, False, dt), dt, True, 16)
+                                    for rows, cols, dt in ((M, K, ab), (N, K, ab), (M, N, c_dt))]
     stream = lambda: cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    fn = cute.compile(kernel, a, b, c, cutlass.utils.HardwareInfo().get_max_active_clusters(2), stream())
+    clusters = cutlass.utils.HardwareInfo().get_max_active_clusters(STOCK_CLUSTER[0] * STOCK_CLUSTER[1])
+    fn = cute.compile(kernel, a, b, c, clusters, stream())
     def run():
         fn(a, b, c, stream())
         return c_t
+    run.operands = (a_t, b_t)   # the torch tensors behind A and B ([rows, K, 1]), for checking the output
     return run
 
-def pure_kernel_method(name: str, config) -> Method:
-    "A kernel `Method` named `name` that runs the kernel of `config` on the main GEMM alone: no LoRA operands, no `wcscales`, no `bias`."
-    gemm.spec_for(config)
-    smem.check_config(config)
-    def build(w: Workload) -> Callable[[], torch.Tensor]:
-        launch, out = gemm.gemm_launcher(w.act, w.wgt, out_dtype=w.out_dtype, config=config)
-        return lambda: (launch(), out)[1]
-    return Method(name, build, kernel=True, checked=False, config=config)
+def stock_fp8_gemm(w: Workload, path: str | None = None) -> Callable[[], torch.Tensor]:
+    "The stock CuTe DSL persistent FP8 GEMM (E4M3, fp32 accumulator, bf16 out; 128×256 tiles, 2×1 cluster) on this shape."
+    return stock_gemm(w, "fp8", path)
+
+def stock_int8_gemm(w: Workload, path: str | None = None) -> Callable[[], torch.Tensor]:
+    "The stock CuTe DSL persistent INT8 GEMM (int32 accumulator, fp16 out; 128×256 tiles, 2×1 cluster) on this shape."
+    return stock_gemm(w, "int8", path)
+
+def stock_gemm_ptx(which: str, M: int, N: int, K: int, path: str | None = None, arch: str = "sm_90a") -> str:
+    "PTX of the stock GEMM `which` compiled for `arch` on fake `M`×`K`, `N`×`K` and `M`×`N` tensors: no GPU needed."
+    import math, os, tempfile
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    kernel, (ab, _, c_dt) = stock_gemm_kernel(which, path)
+    fake = lambda dt, rows, cols: make_fake_compact_tensor(dt, (rows, cols, 1), stride_order=(1, 0, 2), assumed_align=16)
+    clusters = gemm.DEFAULT_NUM_SMS // math.prod(STOCK_CLUSTER)
+    with tempfile.TemporaryDirectory() as d:
+        cute.compile(kernel, fake(ab, M, K), fake(ab, N, K), fake(c_dt, M, N), clusters, make_fake_stream(),
+                     options=f"--gpu-arch {arch} --keep-ptx --dump-dir {d}")
+        return "".join(open(os.path.join(d, f), errors="replace").read() for f in sorted(os.listdir(d)) if f.endswith(".ptx"))
+
+def pure_kernel_method(name: str, config, out_dtype: torch.dtype | None = None, fmts: tuple | None = None) -> Method:
+    """A kernel `Method` named `name` that runs the kernel of `config` (or a `KernelRef`) on the main GEMM alone: no
+    LoRA operands, no `wcscales`, no `bias`; it writes `out_dtype` (default: the workload's)."""
+    return Method(name, _kernel_build(config, True, out_dtype), kernel=True, checked=False, config=config,
+                  fmts=_kernel_fmts(config, fmts))
 
 DIAGNOSTICS = (Method("torch_fp8_gemm", torch_fp8_gemm, checked=False),
                Method("cute_fp8_gemm", stock_fp8_gemm, checked=False),
+               Method("cute_int8_gemm", stock_int8_gemm, checked=False),
                pure_kernel_method("w4a4_v2_pure", HopperV2Config()),
                kernel_method("w4a4_v2_i2f", HopperV2Config(promotion="i2f")),
                kernel_method("w4a4_v2_no_decode", HopperV2Config(ablate=("decode",)), checked=False),
                kernel_method("w4a4_v2_no_promote", HopperV2Config(ablate=("promote",)), checked=False),
                kernel_method("w4a4_v2_mma_only", HopperV2Config(ablate=("decode", "promote")), checked=False))
-ALL_METHODS: dict[str, Method] = {**METHODS, **{m.name: m for m in DIAGNOSTICS}}
+
+# %% ../../nbs/09_bench.ipynb #5a1e0c05
+PG_KERNEL = KernelRef("int4_pg", "v2")   # the int4_pg GEMM: gemm.find_kernel("v2", fmt="int4_pg"), looked up when used
+PG_KERNELS = (kernel_method("w4a4_pg", PG_KERNEL),
+              kernel_method("w4a4_pg_2cta", KernelRef("int4_pg", "v2", fields=(("cluster_n", 2),))),
+              pure_kernel_method("w4a4_pg_pure", PG_KERNEL, out_dtype=torch.float16),
+              kernel_method("w4a4_pg_smem", KernelRef("int4_pg", "v2", "smem")),          # the decode-warpgroup mainloop
+              kernel_method("w4a4_pg_128", KernelRef("int4_pg", "v2", fields=(("tile_m", 128),))),   # a 128-row activation tile
+              kernel_method("w4a8", PG_KERNEL, fmts=("int8",)))
+_GEMM_CEILINGS = ("torch_bf16", "torch_fp8_rowwise", "torch_fp8_gemm", "cute_int8_gemm")
+DEFAULT_METHODS = {"int4": tuple(METHODS), "nvfp4": tuple(METHODS),
+                   "int4_pg": (*_GEMM_CEILINGS, "w4a4_pg", "w4a4_pg_2cta", "w4a4_pg_pure", "w4a4_pg_smem", "w4a4_pg_128"),
+                   "int8": (*_GEMM_CEILINGS, "w4a8")}
+ALL_METHODS: dict[str, Method] = {**METHODS, **{m.name: m for m in PG_KERNELS + DIAGNOSTICS}}
+
+def default_methods(fmt: str = "int4") -> list[str]:
+    "The methods a run of workload format `fmt` times when none are named."
+    return list(DEFAULT_METHODS[check_fmt(fmt, BENCH_FORMATS)])
 
 # %% ../../nbs/09_bench.ipynb #cc7019d4
 def _resolve(m: str | Method) -> Method:
     if isinstance(m, Method):
         return m
-    known = {**METHODS, **{d.name: d for d in DIAGNOSTICS}}   # looked up now: tests may stand in for a method
+    known = {**{d.name: d for d in PG_KERNELS + DIAGNOSTICS}, **METHODS}   # looked up now: tests may stand in for any method in METHODS
     if m not in known:
         raise ValueError(f"method {m!r} is not one of {', '.join(known)}")
     return known[m]
 
+def _why_not(m: Method, fmt: str) -> str | None:
+    "Why method `m` is not timed in a run of format `fmt`, or None: it runs on other formats, or its kernel cannot run here."
+    if m.fmts is not None and fmt not in m.fmts:
+        return f"skipped: {m.name} runs on {', '.join(m.fmts)} workloads, this run is {fmt}"
+    return kernel_unavailable(m.config) if m.kernel else None
+
 def _measure(m: Method, w: Workload, ref: torch.Tensor | None, why_not: str | None, *, warmup: int, iters: int,
              flush_l2: bool, gpu_name: str) -> dict:
-    "Timing fields, TFLOP/s, MFU, `rel_err` and `note` of method `m` on workload `w`."
+    "Timing fields, TFLOP/s, MFU, `rel_err`, `out_dtype` and `note` of method `m` on workload `w`."
     M, N, K, _ = w.shape
-    empty = dict(median_ms=None, p10_ms=None, p90_ms=None, n=0, tflops=None, mfu=None, rel_err=None, note=why_not)
+    empty = dict(median_ms=None, p10_ms=None, p90_ms=None, n=0, tflops=None, mfu=None, rel_err=None, out_dtype=None,
+                 note=why_not)
     if why_not is not None:
         return empty
     try:
@@ -263,24 +388,26 @@ def _measure(m: Method, w: Workload, ref: torch.Tensor | None, why_not: str | No
             raise
         return {**empty, "note": f"{type(e).__name__}: {e}"}
     err = None if ref is None or not m.checked else rel_err(out, ref)
+    out_dtype = str(out.dtype).removeprefix("torch.")
     del out
     t = time_cuda(fn, warmup=warmup, iters=iters, flush_l2=flush_l2)
     tf = tflops(M, N, K, t["median_ms"])
-    return dict(**t, tflops=tf, mfu=mfu(tf, gpu_name), rel_err=err, note=None)
+    return dict(**t, tflops=tf, mfu=mfu(tf, gpu_name), rel_err=err, out_dtype=out_dtype, note=None)
 
-def run_bench(problems: Sequence[tuple[int, int, int, int]], methods: Sequence[str | Method] = tuple(METHODS), *,
+def run_bench(problems: Sequence[tuple[int, int, int, int]], methods: Sequence[str | Method] | None = None, *,
               fmt: str = "int4", iters: int = 50, warmup: int = 10, flush_l2: bool = True, check: bool = True,
               seed: int = 0, quiet: bool = False) -> list[dict]:
-    "Time every method on every `(M, N, K, R)` problem in this process; one row per pair."
+    """Time every method (default: `default_methods(fmt)`) on every `(M, N, K, R)` problem, on workloads of format
+    `fmt`, in this process; one row per pair."""
     check_timing(iters, warmup)
-    check_fmt(fmt)
-    methods = [_resolve(m) for m in methods]
+    check_fmt(fmt, BENCH_FORMATS)
+    methods = [_resolve(m) for m in (default_methods(fmt) if methods is None else methods)]
     if not methods or not problems:
         raise ValueError("problems and methods must both be non-empty")
     require_cuda("run_bench")
     gpu_name = torch.cuda.get_device_name()
     peak_for(gpu_name)   # an unknown GPU fails here, before any work
-    why_not = {m.name: kernel_unavailable(m.config) for m in methods if m.kernel}
+    why_not = {m.name: _why_not(m, fmt) for m in methods}
     rows, current, w, ref = [], None, None, None
     pairs = [(s, m) for s in problems for m in methods]
     for shape, m in tqdm(pairs, desc="bench", unit="run", disable=quiet, file=sys.stderr):
@@ -291,6 +418,6 @@ def run_bench(problems: Sequence[tuple[int, int, int, int]], methods: Sequence[s
             ref = w4a4_gemm_dequant(*w.operands) if check else None
         M, N, K, R = shape
         row = dict(method=m.name, kernel=m.kernel, fmt=fmt, M=M, N=N, K=K, R=R)
-        rows.append({**row, **_measure(m, w, ref, why_not.get(m.name), warmup=warmup, iters=iters,
+        rows.append({**row, **_measure(m, w, ref, why_not[m.name], warmup=warmup, iters=iters,
                                        flush_l2=flush_l2, gpu_name=gpu_name)})
     return rows

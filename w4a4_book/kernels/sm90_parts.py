@@ -10,7 +10,7 @@ __all__ = ['CUTE_DTYPES', 'HIGH_NIBBLES', 'DECODE_SCALE', 'kernel_bundle', 'Gemm
            'fma_f32', 'pinned_i32', 'int4_arguments', 'placeholder', 'int4_tensors', 'Mmas', 'Int4Layouts',
            'Int4GemmBase']
 
-# %% ../../nbs/03a_sm90_parts.ipynb #4e75eafe
+# %% ../../nbs/03a_sm90_parts.ipynb #b46235d1
 import enum
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -29,7 +29,7 @@ from fastcore.basics import patch
 import w4a4_book.formats as formats
 import w4a4_book.operands as operands
 
-# %% ../../nbs/03a_sm90_parts.ipynb #4c43f8f6
+# %% ../../nbs/03a_sm90_parts.ipynb #000259f3
 def kernel_bundle(cls):
     "Let the `NamedTuple` class `cls` cross into a `@cute.kernel`: its fields' dynamic values flatten in order and are rebuilt."
     def extract(self): return extract_mlir_values(tuple(self))
@@ -43,7 +43,7 @@ def kernel_bundle(cls):
     cls.__extract_mlir_values__, cls.__new_from_mlir_values__ = extract, rebuild
     return cls
 
-# %% ../../nbs/03a_sm90_parts.ipynb #5e935d3f
+# %% ../../nbs/03a_sm90_parts.ipynb #b6c442ee
 @kernel_bundle
 class GemmTensors(NamedTuple):
     "The global tensors of a W4A4 GEMM, as cute tensors, in launch order."
@@ -76,14 +76,14 @@ def fake_tensor(spec: ArgSpec, align: int = 16, dynamic_m: bool = False):
         shape = tuple(cute.sym_int() if i == spec.m_mode else d for i, d in enumerate(shape))
     return make_fake_compact_tensor(spec.dtype, shape, stride_order=spec.stride_order, assumed_align=align)
 
-# %% ../../nbs/03a_sm90_parts.ipynb #02db7086
+# %% ../../nbs/03a_sm90_parts.ipynb #c1b4efeb
 class NamedBarrier(enum.IntEnum):
     "Hardware barrier ids used by this book's kernels (0 is the CTA-wide `bar.sync 0`)."
     EPILOGUE = 1        # the threads that own the accumulator, around the shared-memory staging of the output
     EPILOGUE_WG0 = 2    # one MMA warpgroup's staging of its output sub-tiles (the exact-integer mainloop) ...
     EPILOGUE_WG1 = 3    # ... and the other's
 
-# %% ../../nbs/03a_sm90_parts.ipynb #4ec8192a
+# %% ../../nbs/03a_sm90_parts.ipynb #91eb0f10
 HIGH_NIBBLES = 0xF0F0F0F0   # keeps the high nibble of each byte, in place
 DECODE_SCALE = 1 / 256      # the INT8 operands are 16·v, so each INT32 partial is 256·Σ a·w
 
@@ -92,7 +92,7 @@ def decode_word_ref(w):
     w = np.asarray(w, dtype=np.uint32)
     return (w << np.uint32(4)) & np.uint32(HIGH_NIBBLES), w & np.uint32(HIGH_NIBBLES)
 
-# %% ../../nbs/03a_sm90_parts.ipynb #2cf28041
+# %% ../../nbs/03a_sm90_parts.ipynb #7c531cdc
 def decode_row_ref(packed_row):
     "Decode one packed uint8 row the way the kernel does; returns int8 `16·v` in the kernel's K order."
     w = np.frombuffer(np.ascontiguousarray(packed_row, dtype=np.uint8).tobytes(), dtype=np.uint32)
@@ -104,7 +104,7 @@ def kernel_k_order(k):
     chunk = np.array([0, 2, 4, 6, 1, 3, 5, 7])
     return (np.arange(0, k, 8)[:, None] + chunk[None, :]).reshape(-1)
 
-# %% ../../nbs/03a_sm90_parts.ipynb #da322095
+# %% ../../nbs/03a_sm90_parts.ipynb #a076dc4d
 def check_decoded_layout(layout8, tile_k):
     "The hand-written decode assumes 128-byte K-major rows with the 128-byte swizzle; refuse anything else."
     if tile_k != 128 or str(layout8.inner) != "S<3,4,3>":
@@ -120,7 +120,7 @@ def decoded_words(ptr, rows, tile_k, stages):
     return cute.make_tensor(cute.recast_ptr(ptr, dtype=cutlass.Uint32),
                             cute.make_layout((rows, tile_k // 16, 4, stages), stride=(tile_k // 4, 4, 1, rows * tile_k // 4)))
 
-# %% ../../nbs/03a_sm90_parts.ipynb #e1e5c33a
+# %% ../../nbs/03a_sm90_parts.ipynb #d387aea3
 @cute.jit
 def decode_tile(packed, decoded, src_stage, dst_stage, tidx, rows: cutlass.Constexpr, tile_k: cutlass.Constexpr,
                 nthreads: cutlass.Constexpr):
@@ -140,14 +140,14 @@ def decode_tile(packed, decoded, src_stage, dst_stage, tidx, rows: cutlass.Const
                 out[2 * j + 1] = w[2 * h + j] & cutlass.Uint32(HIGH_NIBBLES)
             decoded[r, (2 * c + h) ^ (r % 8), None, dst_stage].store(out.load())
 
-# %% ../../nbs/03a_sm90_parts.ipynb #5f1e1362
+# %% ../../nbs/03a_sm90_parts.ipynb #c5e384b8
 def tma_split(atom, smem, gmem, rank=0, ranks=1):
     """TMA partition of a staged smem buffer and its tiled global view, both with their first two modes
     grouped; with `ranks > 1` CTA `rank` of the cluster copies its share of each box (multicast)."""
     return cute.nvgpu.cpasync.tma_partition(atom, rank, cute.make_layout(ranks),
                                             cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2))
 
-# %% ../../nbs/03a_sm90_parts.ipynb #654e5282
+# %% ../../nbs/03a_sm90_parts.ipynb #241e399f
 @kernel_bundle
 class GemmLoads(NamedTuple):
     "TMA atoms and the global views they were built for, in kernel-argument order (None where R = 0)."
@@ -177,7 +177,7 @@ def int4_loads(t: GemmTensors, layouts: dict, tile: tuple, group: int, rank: int
     out += tma(t.out, "epilogue", epi_tile, op=cp.CopyBulkTensorTileS2GOp())
     return GemmLoads(*out)
 
-# %% ../../nbs/03a_sm90_parts.ipynb #2ed20c36
+# %% ../../nbs/03a_sm90_parts.ipynb #e16b8884
 @cute.jit
 def promote(acc, partial, tCcC, sSA, sSW, g, stage):
     """`acc += float(partial) · sa[m]/256 · sw[n]` for one scale group (the 1/256 undoes the decode's 16·16).
@@ -197,7 +197,7 @@ def apply_affine(acc, tCcC, mWcs, mBias, n0, has_scale: cutlass.Constexpr, has_b
         if cutlass.const_expr(has_bias):
             acc[i] = acc[i] + mBias[n0 + n].to(cutlass.Float32)
 
-# %% ../../nbs/03a_sm90_parts.ipynb #6e38a69d
+# %% ../../nbs/03a_sm90_parts.ipynb #13f65bc5
 @cute.jit
 def store_tile(acc, sC, gC, tma_c, tiled_mma, epi_tile: cutlass.Constexpr, c_dtype: cutlass.Constexpr,
                tidx, is_store_warp, barrier_id: cutlass.Constexpr, barrier_threads: cutlass.Constexpr):
@@ -238,7 +238,7 @@ def store_tile(acc, sC, gC, tma_c, tiled_mma, epi_tile: cutlass.Constexpr, c_dty
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-# %% ../../nbs/03a_sm90_parts.ipynb #af5d7c85
+# %% ../../nbs/03a_sm90_parts.ipynb #bcfbea81
 def storage_from_budget(budget, dtypes):
     "A `cute.struct` with one aligned `MemRange` per allocated budget term; `dtypes` maps term name → element type."
     ann = {}
@@ -257,7 +257,7 @@ def check_term(budget, name, layout, dtype):
     if nbytes != want:
         raise AssertionError(f"smem term {name!r}: kernel buffer {nbytes} B, solver {want} B")
 
-# %% ../../nbs/03a_sm90_parts.ipynb #85c60eaf
+# %% ../../nbs/03a_sm90_parts.ipynb #0d6dc9e3
 @dataclass(frozen=True)
 class WarpRoles:
     "Which warps do what, and the registers each warpgroup keeps after `setmaxnreg`."
@@ -279,11 +279,15 @@ class WarpRoles:
     @property
     def first_mma_warp(self): return self.mma_warps[0]
     @property
+    def first_worker_warp(self):
+        "The first warp past the load warpgroup: the first decode warp, or without decode warps the first MMA warp."
+        return (self.decode_warps or self.mma_warps)[0]
+    @property
     def registers(self):
         "Registers the warpgroups hold after `setmaxnreg`; must not exceed the SM's 65536."
         return 128 * self.load_regs + 32 * len(self.decode_warps) * self.decode_regs + 32 * len(self.mma_warps) * self.mma_regs
 
-# %% ../../nbs/03a_sm90_parts.ipynb #82dfcd39
+# %% ../../nbs/03a_sm90_parts.ipynb #51e809e7
 def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
     "Tile `(m, n)` of linear tile index `t` when bands of `group_m` M-tiles are walked M-fastest."
     band = t // (group_m * n_tiles)
@@ -317,7 +321,7 @@ class PersistentRaster:
         m, nc = raster(cluster_id + i * n_clusters, self.m_tiles, self.n_ctiles, self.group_m, cutlass.min)
         return m, nc * self.cluster_n + rank
 
-# %% ../../nbs/03a_sm90_parts.ipynb #e279cdb1
+# %% ../../nbs/03a_sm90_parts.ipynb #5a7448fb
 @dsl_user_op
 def fma_f32(a, b, c, *, loc=None, ip=None):
     "`a·b + c` rounded once (`fma.rn.f32`), never split into a multiply and an add."
@@ -331,7 +335,7 @@ def pinned_i32(x, *, loc=None, ip=None):
                                          has_side_effects=True, is_align_stack=False,
                                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
-# %% ../../nbs/03a_sm90_parts.ipynb #3ffcea5b
+# %% ../../nbs/03a_sm90_parts.ipynb #31a1b404
 def int4_arguments(p: operands.Problem) -> tuple:
     "The `ArgSpec`s of an int4 GEMM's launch, in `GemmTensors` order (R = 0 still passes 16-wide LoRA placeholders)."
     dt, G, R = CUTE_DTYPES, formats.GROUP_SIZE[p.fmt], max(p.R, 16)
@@ -369,7 +373,7 @@ def int4_tensors(p: operands.Problem, act, wgt, lora_act, lora_up, wcscales, bia
     return [act.data, wgt.data, _padded_scales(act.scales, p.M).T, _padded_scales(wgt.scales, p.N).T,
             lora_act, lora_up, wcs, b, out]
 
-# %% ../../nbs/03a_sm90_parts.ipynb #aace1131
+# %% ../../nbs/03a_sm90_parts.ipynb #52ca53cf
 @kernel_bundle
 class Mmas(NamedTuple):
     "The two tiled MMAs of an int4 GEMM: INT8 for the main product, 16-bit for the LoRA product."
@@ -406,7 +410,7 @@ class Int4GemmBase:
         return operands.Requirements(cls.name, formats=(("int4", "int4"),), k_multiple=cfg.tile_k,
                                      n_multiple=cfg.tile_n, cluster_sizes=(1, 2))
 
-# %% ../../nbs/03a_sm90_parts.ipynb #ce1b9eb6
+# %% ../../nbs/03a_sm90_parts.ipynb #65cd6b88
 @patch
 def _layouts(self: Int4GemmBase) -> dict:
     "Shared-memory layouts of every buffer, by budget term name; staged layouts end in a STAGE mode."
