@@ -7,7 +7,7 @@ __all__ = ['TILE_N', 'TILE_K', 'WORDS_W', 'WORDS_U', 'LOW', 'HIGH', 'FLIP', 'EIG
            'prepack_weights', 'decode_word_ref', 'PgTensors', 'pg_arguments', 'pg_tensors', 'PgLoads', 'PgLayouts',
            'W4A4GemmPg', 'PgMmas', 'PgVectors', 'PgCta', 'mad_hi_u32', 'fence_operand', 'W4A4GemmPgSmem']
 
-# %% ../../nbs/05b_pg.ipynb #ed5967ce
+# %% ../../nbs/05b_pg.ipynb #4f19c908
 import weakref
 from typing import NamedTuple
 import numpy as np
@@ -28,7 +28,7 @@ import w4a4_book.operands as operands
 import w4a4_book.kernels.sm90_parts as parts
 from .sm90_parts import NamedBarrier, PersistentRaster, WarpRoles, kernel_bundle, tma_split
 
-# %% ../../nbs/05b_pg.ipynb #d8757c94
+# %% ../../nbs/05b_pg.ipynb #21123c7c
 TILE_N, TILE_K = 128, 128            # one packed block: 128 weight rows (two MMA warpgroups) × 128 K
 WORDS_W = TILE_N * TILE_K // 8       # packed 4-bit words per block
 WORDS_U = TILE_N * (TILE_K // formats.PG_GROUP) // 4   # u words per block: one byte per row and group
@@ -67,7 +67,7 @@ def prepack_weights(w: formats.QTensor) -> tuple:
     wq = as_i32(words).reshape(NB, KB, 8, 256).permute(3, 2, 1, 0)            # (256, 8, KB, NB)
     return wq, as_i32(uwords).permute(2, 1, 0)                                 # (64, KB, NB)
 
-# %% ../../nbs/05b_pg.ipynb #04fcb6ef
+# %% ../../nbs/05b_pg.ipynb #8a4118f4
 def decode_word_ref(w, u):
     "What the kernel computes from packed word `w` (uint32) with one `u`: the (low, high) words of four int8 `q·u`."
     w, u = np.uint64(w), np.uint64(u)
@@ -77,7 +77,7 @@ def decode_word_ref(w, u):
           & np.uint64(0xFFFFFFFF)) ^ np.uint64(FLIP)
     return np.uint32(lo), np.uint32(hi)
 
-# %% ../../nbs/05b_pg.ipynb #d37ad6e4
+# %% ../../nbs/05b_pg.ipynb #d3df6486
 @kernel_bundle
 class PgTensors(NamedTuple):
     "The global tensors of the exact-integer GEMM, as cute tensors, in launch order."
@@ -102,16 +102,18 @@ def pg_arguments(p: operands.Problem) -> tuple:
             A("lora_up", dt[p.lora_dtype], (p.N, R), rowmaj), A("wcscales", dt[p.wcscales_dtype], (p.N,)),
             A("bias", dt[p.bias_dtype], (p.N,)), A("out", dt[p.out_dtype], (p.M, p.N), rowmaj, m_mode=0))
 
-_prepacked = weakref.WeakKeyDictionary()      # weights' code tensor → (its version, the u tensor's, packed)
+_prepacked: dict = {}      # id of the weights' code tensor → (a weak reference to it, its version, the u tensor's, packed)
 
 def _prepacked_weights(w):
-    """`prepack_weights(w)`, packed once per weight tensor and again only when it changes: the cache holds the code
-    tensor weakly (a new tensor at a freed address is a new key) and checks its and its u's version counters."""
-    version = (w.data._version, id(w.scales), w.scales._version)
-    hit = _prepacked.get(w.data)
-    if hit is None or hit[0] != version:
-        hit = _prepacked[w.data] = (version, prepack_weights(w))
-    return hit[1]
+    """`prepack_weights(w)`, packed once per weight tensor and again only when it changes. The cache holds the code
+    tensor weakly, under its id, and forgets the entry when the tensor dies (a new tensor at a freed address, or with
+    a reused id, is a new entry); it checks the tensor's and its u's version counters."""
+    key, version = id(w.data), (w.data._version, id(w.scales), w.scales._version)
+    hit = _prepacked.get(key)
+    if hit is None or hit[0]() is not w.data or hit[1] != version:
+        hit = _prepacked[key] = (weakref.ref(w.data), version, prepack_weights(w))
+        weakref.finalize(w.data, _prepacked.pop, key, None)
+    return hit[2]
 
 def pg_tensors(p: operands.Problem, act, wgt, lora_act, lora_up, wcscales, bias, out) -> list:
     "The torch tensors of the exact-integer GEMM's launch, in `pg_arguments` order, with placeholders for absent operands."
@@ -126,7 +128,7 @@ def pg_tensors(p: operands.Problem, act, wgt, lora_act, lora_up, wcscales, bias,
     wq, wu = _prepacked_weights(wgt)
     return [act.data, act.base, wq, wu, wgt.base, lora_act, lora_up, wcs, b, out]
 
-# %% ../../nbs/05b_pg.ipynb #2fbfcc8e
+# %% ../../nbs/05b_pg.ipynb #8e47e665
 PG_ROLES = WarpRoles(load_warp=0, decode_warps=(), mma_warps=tuple(range(4, 12)), load_regs=24, mma_regs=240)
 
 @kernel_bundle
@@ -171,7 +173,7 @@ class W4A4GemmPg:
                                      scale_dtypes=(torch.uint8,), k_multiple=TILE_K, n_multiple=TILE_N,
                                      cluster_sizes=(1, 2), max_rank=256)
 
-# %% ../../nbs/05b_pg.ipynb #00598dbc
+# %% ../../nbs/05b_pg.ipynb #48ab979e
 @patch
 def _layouts(self: W4A4GemmPg) -> dict:
     "Shared-memory layouts by budget term; staged ones end in a STAGE mode."
@@ -263,7 +265,7 @@ class PgVectors(NamedTuple):
     "The per-row and per-column vectors the epilogue reads from global memory."
     base_a: object; base_w: object; wcscales: object; bias: object
 
-# %% ../../nbs/05b_pg.ipynb #926b82e0
+# %% ../../nbs/05b_pg.ipynb #208dd8e7
 @kernel_bundle
 class PgCta(NamedTuple):
     "This CTA's place in the persistent schedule, and the schedule."
@@ -323,14 +325,14 @@ def kernel(self: W4A4GemmPg, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layo
         cute.arch.cluster_arrive()          # no CTA leaves while its peer may still multicast into it
         cute.arch.cluster_wait()
 
-# %% ../../nbs/05b_pg.ipynb #683c2eb6
+# %% ../../nbs/05b_pg.ipynb #24e3276f
 @patch
 @cute.jit
 def decoded_ring(self: W4A4GemmPg, st):
     "The pipeline of a decoded ring between a decode warpgroup and the MMA warpgroups: none here, the MMA warps decode."
     return None
 
-# %% ../../nbs/05b_pg.ipynb #d40b3f03
+# %% ../../nbs/05b_pg.ipynb #1244da51
 @patch
 @cute.jit
 def load(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, load_pipe, lora_pipe, cta: PgCta):
@@ -369,7 +371,7 @@ def load(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, load_pipe, lo
             cute.copy(loads.lu, tLgU[(None, 0)], tLsU[(None, lprod.index)], tma_bar_ptr=lbar)
             lprod.advance()
 
-# %% ../../nbs/05b_pg.ipynb #730ae9a8
+# %% ../../nbs/05b_pg.ipynb #2c3e5422
 @dsl_user_op
 def mad_hi_u32(a, b, c, *, loc=None, ip=None):
     "`hi32(a·b) + c` on uint32 (`mad.hi.u32`: one IMAD.HI)."
@@ -433,7 +435,7 @@ def block_step(self: W4A4GemmPg, mmas, acc, cur, nxt, tCrB, sWt, sUt, pipe, cons
     self.load_decode(sWt, sUt, nxt, cons.index)
     return cons, rel
 
-# %% ../../nbs/05b_pg.ipynb #01f661d4
+# %% ../../nbs/05b_pg.ipynb #2c54b958
 @patch
 @cute.jit
 def kloop(self: W4A4GemmPg, mmas, acc, F0, F1, tCrB, sWt, sUt, pipe, cons, rel):
@@ -462,7 +464,7 @@ def kloop(self: W4A4GemmPg, mmas, acc, F0, F1, tCrB, sWt, sUt, pipe, cons, rel):
         cons.advance()
     return cons, rel
 
-# %% ../../nbs/05b_pg.ipynb #427840bb
+# %% ../../nbs/05b_pg.ipynb #a7899f53
 @patch
 def mma_setup(self: W4A4GemmPg, st, mmas: PgMmas, layouts: PgLayouts, t, wgi):
     "What both mainloops' MMA warpgroups keep across tiles: the int32 accumulator, its coordinates, the LoRA fragments."
@@ -509,7 +511,7 @@ def mma_role(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas
     if t == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)      # the last stores have read shared memory before the CTA exits
 
-# %% ../../nbs/05b_pg.ipynb #dd3eac2c
+# %% ../../nbs/05b_pg.ipynb #34a01a87
 @patch
 @cute.jit
 def epilogue(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layouts: PgLayouts, lora_pipe, lcons,
@@ -579,7 +581,7 @@ def store(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mma, layouts: P
             cute.copy(loads.c, bSG_sC[(None, buf)], bSG_gC[(None, epi_order.get_hier_coord(e))])
             cute.arch.cp_async_bulk_commit_group()
 
-# %% ../../nbs/05b_pg.ipynb #c7eaeb17
+# %% ../../nbs/05b_pg.ipynb #e20a435a
 SMEM_ROLES = WarpRoles(load_warp=0, decode_warps=(4, 5, 6, 7), mma_warps=tuple(range(8, 16)), load_regs=24,
                        decode_regs=40, mma_regs=224)
 
@@ -617,7 +619,7 @@ class W4A4GemmPgSmem(W4A4GemmPg):
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.roles.decode_warps)),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.roles.mma_warps)), defer_sync=True)
 
-# %% ../../nbs/05b_pg.ipynb #0c64a5cc
+# %% ../../nbs/05b_pg.ipynb #b1dbe451
 @patch
 @cute.jit
 def decode_role(self: W4A4GemmPgSmem, st, layouts: PgLayouts, load_pipe, dec_pipe, dtid, cta: PgCta):
@@ -654,7 +656,7 @@ def decode_role(self: W4A4GemmPgSmem, st, layouts: PgLayouts, load_pipe, dec_pip
         cons.advance()
         dprod.advance()
 
-# %% ../../nbs/05b_pg.ipynb #6c1143ea
+# %% ../../nbs/05b_pg.ipynb #3964804c
 @patch
 @cute.jit
 def kloop_smem(self: W4A4GemmPgSmem, mmas, acc, tCrA, tCrB, load_pipe, dec_pipe, states, wgi):
