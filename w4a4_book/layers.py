@@ -160,10 +160,16 @@ def lora_down_t(self: W4A4Linear) -> torch.Tensor:
     return self.__dict__["_lora_down_t"]
 
 # %% ../nbs/08_layer.ipynb #f05f81e5
+@patch
+def problem(self: W4A4Linear, M: int = 1) -> operands.Problem:
+    "The GEMM problem of this layer on `M` rows."
+    return operands.Problem(M, self.out_features, self.in_features, self.rank, scale_dtype=self.scale_dtype,
+                            lora_dtype=self.dtype, out_dtype=self.dtype, fmt=self.fmt, act_fmt=self.act_fmt)
+
 @patch(as_prop=True)
 def gemm_config(self: W4A4Linear):
-    "The kernel config the sm90 backend runs: `kernel_config`, or the format's default (raises naming `fmt` when none exists)."
-    return self.kernel_config if self.kernel_config is not None else gemm.default_config(self.fmt)
+    "The kernel config the sm90 backend runs: `kernel_config`, or the format's default for this layer (raises naming `fmt` when none exists)."
+    return self.kernel_config if self.kernel_config is not None else gemm.default_config(self.fmt, problem=self.problem())
 
 @patch
 def why_not_sm90(self: W4A4Linear, x: torch.Tensor) -> Optional[str]:
@@ -181,10 +187,8 @@ def why_not_sm90(self: W4A4Linear, x: torch.Tensor) -> Optional[str]:
         return f"x is on a GPU of compute capability {cap}, not {req.capability}"
     if self.rank > MAX_RANK:
         return f"rank={self.rank} exceeds {MAX_RANK}, the widest LoRA block the fused activation kernel holds"
-    p = operands.Problem(1, self.out_features, self.in_features, self.rank, scale_dtype=self.scale_dtype,
-                         lora_dtype=self.dtype, out_dtype=self.dtype, fmt=self.fmt)
     try:
-        operands.check_problem(req, p, gemm.cluster_size(config), names={"K": "in_features", "N": "out_features"})
+        operands.check_problem(req, self.problem(), gemm.cluster_size(config), names={"K": "in_features", "N": "out_features"})
     except (ValueError, TypeError) as e:
         return str(e)
     return None
@@ -220,7 +224,7 @@ def forward(self: W4A4Linear, x: torch.Tensor) -> torch.Tensor:
         self.last_backend = "reference"
     return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-# %% ../nbs/08_layer.ipynb #aaf815fd
+# %% ../nbs/08_layer.ipynb #4748e1b5
 @patch
 def to_int4_pg(self: W4A4Linear, act_fmt: Optional[str] = None) -> W4A4Linear:
     "A copy of this int4 layer with its residual weight converted to int4_pg (`formats.to_int4_pg`), on the same device."

@@ -21,10 +21,10 @@ from .workloads import ALL_METHODS, BENCH_FORMATS, SHAPE_SETS, bench_problems, d
 
 # %% auto #0
 __all__ = ['FLOOR_FRACTION', 'VALUE_FORMATS', 'RATIO_PAIRS', 'PG_TARGETS', 'GEOMEAN_M', 'GEOMEAN_R', 'README_RECORDS',
-           'LORA_RECORD', 'README_COLUMNS', 'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record',
-           'recorded_rows', 'bench_table', 'plot_bench', 'speedups', 'ratio_table', 'geomean', 'pg_targets',
-           'target_lines', 'record_line', 'recorded_report', 'large_m', 'readme_table', 'standing', 'lora_line',
-           'readme_results', 'add_arguments', 'run', 'bench_cli']
+           'LORA_RECORD', 'README_COLUMNS', 'PG_README_RECORDS', 'PG_README_COLUMNS', 'bench_path', 'save_bench',
+           'mfu_floors', 'check_floors', 'latest_record', 'recorded_rows', 'bench_table', 'plot_bench', 'speedups',
+           'ratio_table', 'geomean', 'pg_targets', 'target_lines', 'record_line', 'recorded_report', 'large_m',
+           'readme_table', 'standing', 'lora_line', 'pg_readme', 'readme_results', 'add_arguments', 'run', 'bench_cli']
 
 # %% ../../nbs/09b_report.ipynb #73c5dfaa
 FLOOR_FRACTION = 0.9   # a kernel fails --check below this fraction of its recorded MFU
@@ -299,22 +299,47 @@ def lora_line(rows: list[dict]) -> str:
     return "; ".join(parts) + "."
 
 # %% ../../nbs/09b_report.ipynb #fc02edc9
+PG_README_RECORDS = ("bench_h200_int4_pg_m4352.json", "bench_h200_int4_pg_8192.json")   # the exact-integer kernel's runs
+PG_README_COLUMNS = {"torch_bf16": "torch bf16", "torch_fp8_rowwise": "torch FP8 rowwise", "cute_int8_gemm": "stock INT8 GEMM",
+                     "w4a4_pg": "int4_pg", "w4a4_pg_128": "int4_pg, 128-row tile"}
+
+def pg_readme(rows: list[dict]) -> str:
+    "Markdown for the README: TFLOP/s of `PG_README_COLUMNS` and the exact-integer kernel's MFU, then one line of its standing."
+    cell = {(_shape(r), r["method"]): r for r in rows}
+    table = []
+    for s in dict.fromkeys(map(_shape, rows)):
+        M, N, K, R = s
+        table.append({"M×N×K": f"{M}×{N}×{K}", "R": R,
+                      **{col: round(cell[(s, m)]["tflops"]) for m, col in PG_README_COLUMNS.items() if (s, m) in cell},
+                      "int4_pg MFU": f"{cell[(s, 'w4a4_pg')]['mfu']:.1%}"})
+    r32 = [r for r in rows if r["method"] == "w4a4_pg" and r["R"] == 32]
+    over = lambda m: _span(list(speedups([r for r in rows if r["R"] == 32], "w4a4_pg", m).values()))
+    line = (f"At R = 32 the exact-integer kernel (`fmt=\"int4_pg\"`) runs at {_span([r['tflops'] for r in r32], '{:.0f}')} "
+            f"TFLOP/s, {_span([r['mfu'] for r in r32], '{:.1%}')} of the dense INT8 peak: {over('cute_int8_gemm')}× the stock "
+            f"CuTe DSL INT8 GEMM (which computes the bare product), {over('torch_fp8_rowwise')}× torch's FP8 path and "
+            f"{over('torch_bf16')}× its bf16 path with the same LoRA and affine.")
+    return markdown_table(table) + "\n\n" + line
+
 def readme_results(folder: str | Path | None = None) -> str:
-    "The README's Results section (without its heading), made from `README_RECORDS` and `LORA_RECORD` in `folder` (default `nbs/data/`)."
+    "The README's Results section (without its heading), made from `README_RECORDS`, `PG_README_RECORDS` and `LORA_RECORD` in `folder` (default `nbs/data/`)."
     folder = data_dir() if folder is None else Path(folder)
     bench = [(name, *load_record(folder / name)) for name in README_RECORDS]
+    pg = [(name, *load_record(folder / name)) for name in PG_README_RECORDS]
     rows = [r for _, _, rs in bench for r in rs]
     lora_prov, lora_rows = load_record(folder / LORA_RECORD)
     prov = bench[0][1]
     return "\n".join([
-        f"TFLOP/s of the main GEMM (2·M·N·K over the median of {prov['iters']} timed calls; the LoRA product and the "
-        f"affine are computed but not counted) on one {prov['gpu']}, and v2's MFU against the dense FP8 peak of "
-        f"{prov['mfu_peak_tflops']:.0f} TFLOP/s. The torch paths run the same LoRA and affine as separate ops. "
+        "**The exact-integer kernel** ([chapter 5b](nbs/05b_pg.ipynb)): int4_pg weights decoded in registers, int8 activations, "
+        "INT8 wgmma over all of K; TFLOP/s of 2·M·N·K, every method of one run per shape set.", "",
+        pg_readme([r for _, _, rs in pg for r in rs]), "",
+        f"**The int4 kernels**: TFLOP/s of the main GEMM (2·M·N·K over the median of {prov['iters']} timed calls; the LoRA "
+        f"product and the affine are computed but not counted) on one {prov['gpu']}, and v2's MFU against the dense FP8 peak "
+        f"of {prov['mfu_peak_tflops']:.0f} TFLOP/s. The torch paths run the same LoRA and affine as separate ops. "
         "Every shape and method, the M = 256 rows and how they were measured are in the "
         "[benchmarks chapter](nbs/09_bench.ipynb); the records are in `nbs/data/`.",
         "", readme_table(rows), "", standing(rows), "",
         f"[LoRA accounting](nbs/06_lora_bug.ipynb) (v2 2-CTA, M = 4352, the four layers): {lora_line(lora_rows)}", "",
-        *[f"- {record_line(name, p)}" for name, p, _ in bench], f"- {record_line(LORA_RECORD, lora_prov)}"])
+        *[f"- {record_line(name, p)}" for name, p, _ in pg + bench], f"- {record_line(LORA_RECORD, lora_prov)}"])
 
 # %% ../../nbs/09b_report.ipynb #849a0826
 def add_arguments(p: argparse.ArgumentParser) -> None:

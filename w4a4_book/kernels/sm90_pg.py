@@ -7,7 +7,7 @@ __all__ = ['TILE_N', 'TILE_K', 'WORDS_W', 'WORDS_U', 'LOW', 'HIGH', 'FLIP', 'EIG
            'prepack_weights', 'decode_word_ref', 'PgTensors', 'pg_arguments', 'pg_tensors', 'PgLoads', 'PgLayouts',
            'W4A4GemmPg', 'PgMmas', 'PgVectors', 'PgCta', 'mad_hi_u32', 'fence_operand', 'W4A4GemmPgSmem']
 
-# %% ../../nbs/05b_pg.ipynb #4f19c908
+# %% ../../nbs/05b_pg.ipynb #bf3d93c4
 import weakref
 from typing import NamedTuple
 import numpy as np
@@ -28,7 +28,7 @@ import w4a4_book.operands as operands
 import w4a4_book.kernels.sm90_parts as parts
 from .sm90_parts import NamedBarrier, PersistentRaster, WarpRoles, kernel_bundle, tma_split
 
-# %% ../../nbs/05b_pg.ipynb #21123c7c
+# %% ../../nbs/05b_pg.ipynb #58a06bc0
 TILE_N, TILE_K = 128, 128            # one packed block: 128 weight rows (two MMA warpgroups) × 128 K
 WORDS_W = TILE_N * TILE_K // 8       # packed 4-bit words per block
 WORDS_U = TILE_N * (TILE_K // formats.PG_GROUP) // 4   # u words per block: one byte per row and group
@@ -67,7 +67,7 @@ def prepack_weights(w: formats.QTensor) -> tuple:
     wq = as_i32(words).reshape(NB, KB, 8, 256).permute(3, 2, 1, 0)            # (256, 8, KB, NB)
     return wq, as_i32(uwords).permute(2, 1, 0)                                 # (64, KB, NB)
 
-# %% ../../nbs/05b_pg.ipynb #8a4118f4
+# %% ../../nbs/05b_pg.ipynb #8f98c30f
 def decode_word_ref(w, u):
     "What the kernel computes from packed word `w` (uint32) with one `u`: the (low, high) words of four int8 `q·u`."
     w, u = np.uint64(w), np.uint64(u)
@@ -77,7 +77,7 @@ def decode_word_ref(w, u):
           & np.uint64(0xFFFFFFFF)) ^ np.uint64(FLIP)
     return np.uint32(lo), np.uint32(hi)
 
-# %% ../../nbs/05b_pg.ipynb #d3df6486
+# %% ../../nbs/05b_pg.ipynb #3b87a28e
 @kernel_bundle
 class PgTensors(NamedTuple):
     "The global tensors of the exact-integer GEMM, as cute tensors, in launch order."
@@ -128,7 +128,7 @@ def pg_tensors(p: operands.Problem, act, wgt, lora_act, lora_up, wcscales, bias,
     wq, wu = _prepacked_weights(wgt)
     return [act.data, act.base, wq, wu, wgt.base, lora_act, lora_up, wcs, b, out]
 
-# %% ../../nbs/05b_pg.ipynb #8e47e665
+# %% ../../nbs/05b_pg.ipynb #fa501bea
 PG_ROLES = WarpRoles(load_warp=0, decode_warps=(), mma_warps=tuple(range(4, 12)), load_regs=24, mma_regs=240)
 
 @kernel_bundle
@@ -173,7 +173,7 @@ class W4A4GemmPg:
                                      scale_dtypes=(torch.uint8,), k_multiple=TILE_K, n_multiple=TILE_N,
                                      cluster_sizes=(1, 2), max_rank=256)
 
-# %% ../../nbs/05b_pg.ipynb #48ab979e
+# %% ../../nbs/05b_pg.ipynb #69d01b8f
 @patch
 def _layouts(self: W4A4GemmPg) -> dict:
     "Shared-memory layouts by budget term; staged ones end in a STAGE mode."
@@ -265,7 +265,7 @@ class PgVectors(NamedTuple):
     "The per-row and per-column vectors the epilogue reads from global memory."
     base_a: object; base_w: object; wcscales: object; bias: object
 
-# %% ../../nbs/05b_pg.ipynb #208dd8e7
+# %% ../../nbs/05b_pg.ipynb #5fb2a120
 @kernel_bundle
 class PgCta(NamedTuple):
     "This CTA's place in the persistent schedule, and the schedule."
@@ -325,14 +325,14 @@ def kernel(self: W4A4GemmPg, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layo
         cute.arch.cluster_arrive()          # no CTA leaves while its peer may still multicast into it
         cute.arch.cluster_wait()
 
-# %% ../../nbs/05b_pg.ipynb #24e3276f
+# %% ../../nbs/05b_pg.ipynb #2bf71b18
 @patch
 @cute.jit
 def decoded_ring(self: W4A4GemmPg, st):
     "The pipeline of a decoded ring between a decode warpgroup and the MMA warpgroups: none here, the MMA warps decode."
     return None
 
-# %% ../../nbs/05b_pg.ipynb #1244da51
+# %% ../../nbs/05b_pg.ipynb #10e789db
 @patch
 @cute.jit
 def load(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, load_pipe, lora_pipe, cta: PgCta):
@@ -371,7 +371,7 @@ def load(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, load_pipe, lo
             cute.copy(loads.lu, tLgU[(None, 0)], tLsU[(None, lprod.index)], tma_bar_ptr=lbar)
             lprod.advance()
 
-# %% ../../nbs/05b_pg.ipynb #2c3e5422
+# %% ../../nbs/05b_pg.ipynb #87fc3d6a
 @dsl_user_op
 def mad_hi_u32(a, b, c, *, loc=None, ip=None):
     "`hi32(a·b) + c` on uint32 (`mad.hi.u32`: one IMAD.HI)."
@@ -435,7 +435,7 @@ def block_step(self: W4A4GemmPg, mmas, acc, cur, nxt, tCrB, sWt, sUt, pipe, cons
     self.load_decode(sWt, sUt, nxt, cons.index)
     return cons, rel
 
-# %% ../../nbs/05b_pg.ipynb #2c54b958
+# %% ../../nbs/05b_pg.ipynb #81752ad7
 @patch
 @cute.jit
 def kloop(self: W4A4GemmPg, mmas, acc, F0, F1, tCrB, sWt, sUt, pipe, cons, rel):
@@ -464,7 +464,7 @@ def kloop(self: W4A4GemmPg, mmas, acc, F0, F1, tCrB, sWt, sUt, pipe, cons, rel):
         cons.advance()
     return cons, rel
 
-# %% ../../nbs/05b_pg.ipynb #a7899f53
+# %% ../../nbs/05b_pg.ipynb #16ab0629
 @patch
 def mma_setup(self: W4A4GemmPg, st, mmas: PgMmas, layouts: PgLayouts, t, wgi):
     "What both mainloops' MMA warpgroups keep across tiles: the int32 accumulator, its coordinates, the LoRA fragments."
@@ -511,7 +511,7 @@ def mma_role(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas
     if t == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)      # the last stores have read shared memory before the CTA exits
 
-# %% ../../nbs/05b_pg.ipynb #34a01a87
+# %% ../../nbs/05b_pg.ipynb #29598468
 @patch
 @cute.jit
 def epilogue(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layouts: PgLayouts, lora_pipe, lcons,
@@ -581,7 +581,7 @@ def store(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mma, layouts: P
             cute.copy(loads.c, bSG_sC[(None, buf)], bSG_gC[(None, epi_order.get_hier_coord(e))])
             cute.arch.cp_async_bulk_commit_group()
 
-# %% ../../nbs/05b_pg.ipynb #e20a435a
+# %% ../../nbs/05b_pg.ipynb #b6a6cc87
 SMEM_ROLES = WarpRoles(load_warp=0, decode_warps=(4, 5, 6, 7), mma_warps=tuple(range(8, 16)), load_regs=24,
                        decode_regs=40, mma_regs=224)
 
@@ -619,7 +619,7 @@ class W4A4GemmPgSmem(W4A4GemmPg):
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.roles.decode_warps)),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.roles.mma_warps)), defer_sync=True)
 
-# %% ../../nbs/05b_pg.ipynb #b1dbe451
+# %% ../../nbs/05b_pg.ipynb #72cb696b
 @patch
 @cute.jit
 def decode_role(self: W4A4GemmPgSmem, st, layouts: PgLayouts, load_pipe, dec_pipe, dtid, cta: PgCta):
@@ -656,7 +656,7 @@ def decode_role(self: W4A4GemmPgSmem, st, layouts: PgLayouts, load_pipe, dec_pip
         cons.advance()
         dprod.advance()
 
-# %% ../../nbs/05b_pg.ipynb #3964804c
+# %% ../../nbs/05b_pg.ipynb #6b033f32
 @patch
 @cute.jit
 def kloop_smem(self: W4A4GemmPgSmem, mmas, acc, tCrA, tCrB, load_pipe, dec_pipe, states, wgi):

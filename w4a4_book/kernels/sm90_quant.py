@@ -195,7 +195,7 @@ class QuantLoraDown:
         if cutlass.const_expr(self.rank > 0):
             cute.copy(tma_w, tWgW[None, k0 + prod.count], tWsW[None, prod.index], tma_bar_ptr=bar)
 
-# %% ../../nbs/08a_quant.ipynb #1ae074b9
+# %% ../../nbs/08a_quant.ipynb #ae82f985
 @dsl_user_op
 def red_max_u32(ptr, value, *, loc=None, ip=None):
     "`*ptr = max(*ptr, bits(value))` in global memory (`red.max.u32`); for non-negative floats, the float max."
@@ -218,7 +218,7 @@ def load_group(self: QuantLoraDown, rX, mSmooth, m_local, half, stage, kt):
     amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
     return xs, amax
 
-# %% ../../nbs/08a_quant.ipynb #b9895429
+# %% ../../nbs/08a_quant.ipynb #3b5e7bdc
 @patch
 @cute.jit
 def store_int4(self: QuantLoraDown, xs, amax, mActW, mScales, m, M, half, kt):
