@@ -20,10 +20,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 # %% auto #0
-__all__ = ['COMMANDS', 'PAGE_SUFFIXES', 'ENGINES', 'Command', 'parser', 'main', 'sidebar_files', 'drop_missing', 'rm_default_exp',
-           'to_run', 'exec_defs', 'order_show_docs', 'drop_output_file', 'localize_links', 'book_procs',
-           'process_notebook', 'process_notebooks', 'build_site', 'build_quarto', 'render_book', 'render_arguments',
-           'render_command']
+__all__ = ['COMMANDS', 'TRACEBACK_VAR', 'PAGE_SUFFIXES', 'ENGINES', 'Command', 'parser', 'main', 'sidebar_files', 'drop_missing',
+           'rm_default_exp', 'to_run', 'exec_defs', 'order_show_docs', 'drop_output_file', 'localize_links',
+           'book_procs', 'process_notebook', 'process_notebooks', 'build_site', 'build_quarto', 'render_book',
+           'render_arguments', 'render_command']
 
 # %% ../nbs/13_cli.ipynb #d25a0d69
 @dataclass(frozen=True)
@@ -52,6 +52,8 @@ COMMANDS: dict[str, Command] = {
 }
 
 # %% ../nbs/13_cli.ipynb #1f6cbe18
+TRACEBACK_VAR = "W4A4_BOOK_TRACEBACK"   # set it to see the traceback behind a command's one-line error
+
 def parser(command: str | None = None) -> argparse.ArgumentParser:
     "The `w4a4-book` parser; only `command`'s module is imported, to add that subcommand's options."
     if command is not None and command not in COMMANDS:
@@ -71,7 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = parser(command if command in COMMANDS else None).parse_args(argv)
-    return COMMANDS[args.command].function("run")(args)
+    try:
+        return COMMANDS[args.command].function("run")(args)
+    except ValueError as e:                  # a value the command rejects: one line, as argparse's own errors
+        if os.environ.get(TRACEBACK_VAR):
+            raise
+        print(f"w4a4-book {args.command}: error: {e} (set {TRACEBACK_VAR}=1 for the traceback)", file=sys.stderr)
+        return 2
 
 # %% ../nbs/13_cli.ipynb #c29e6798
 PAGE_SUFFIXES = (".ipynb", ".qmd", ".md")

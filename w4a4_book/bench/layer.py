@@ -12,13 +12,13 @@ from torch import nn
 from .. import gemm
 from ..layers import W4A4Linear
 from ..records import data_dir, list_records, load_record, markdown_table, provenance, save_record
-from .timing import gpu_key, mfu, rel_err, tflops, time_cuda
+from .timing import check_timing, gpu_key, mfu, rel_err, tflops, time_cuda
 from .workloads import FP8_MAX, bench_problems, kernel_unavailable
 
 # %% auto #0
 __all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'ACTIVATION_FORMATS', 'layer_paths', 'run_layer_bench', 'layer_table',
            'activation_bytes', 'copy_bandwidth', 'run_activation_bench', 'activation_table', 'layer_shapes',
-           'add_arguments', 'run']
+           'add_arguments', 'recorded_runs', 'run']
 
 # %% ../../nbs/09c_bench_layer.ipynb #7cb7f5b6
 LAYER_PATHS = ("torch_bf16", "torch_fp8", "w4a4", "w4a4_torch_quant", "w4a4_pg")   # w4a4: int4 weights; w4a4_pg: int4_pg
@@ -158,22 +158,39 @@ def layer_shapes(which: str = "all") -> list:
 def add_arguments(p) -> None:
     "Options of `w4a4-book bench-layer`."
     p.add_argument("--shapes", choices=(*LAYER_SETS, "all"), default="all", help="M=4352, M=256 or both, at the benchmark (K, N)")
-    p.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32)")
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--rank", type=int, default=32, help="LoRA rank, a positive multiple of 16 (default 32)")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per layer and method (default 50)")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays: GPU time without the per-call host work")
     p.add_argument("--activation", action="store_true",
                    help="time the activation kernel alone, per format (CUDA-graph replays, and eager beside), against the copy bandwidth")
     p.add_argument("--out", default=None, help="record path (default: nbs/data/layer_<gpu>.json, layer_<gpu>_graph.json or activation_<gpu>.json)")
 
+def recorded_runs(args) -> list:
+    "The `(provenance, rows)` of the records that measured what `args` asks for (kind, rank, timing), rows cut to its shapes."
+    kind = "activation" if args.activation else "layer"
+    timing = "cuda_graph" if args.activation or args.graph else "eager"
+    wanted = {(M, K) for M, K, _ in layer_shapes(args.shapes)}
+    out = []
+    for path in list_records(kind):
+        prov, rows = load_record(path)
+        rows = [r for r in rows if (r["M"], r["K"]) in wanted]
+        if prov.get("kind") == kind and prov.get("rank") == args.rank and prov.get("timing") == timing and rows:
+            out.append((prov, rows))
+    return out
+
 def run(args) -> int:
-    "Measure on a GPU the default kernel runs on and save a record; elsewhere print the recorded ones."
+    "Measure on a GPU the default kernel runs on and save a record; elsewhere print the records of the same measurement."
+    check_timing(args.iters, 0)
+    if args.rank <= 0 or args.rank % 16:
+        raise ValueError(f"rank must be a positive multiple of 16, got {args.rank}")
     why_not = kernel_unavailable()
     if why_not is not None:
-        print(f"Nothing is measured here ({why_not}). Recorded measurements follow.")
-        for path in list_records("layer"):
-            prov, rows = load_record(path)
+        runs = recorded_runs(args)
+        what = f"{'activation' if args.activation else 'layer'} runs at rank {args.rank}{' (CUDA graphs)' if args.graph else ''}"
+        print(f"Nothing is measured here ({why_not}). " + (f"Recorded {what} follow." if runs else f"No recorded {what}."))
+        for prov, rows in runs:
             print(f"recorded on the {prov['gpu']} ({prov['date'][:10]}, commit {prov['commit'][:10]}); re-measure: {prov['command']}")
-            print(layer_table(rows))
+            print(activation_table(rows) if args.activation else layer_table(rows))
         return 0
     shapes = layer_shapes(args.shapes)
     if args.activation:

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..records import data_dir, list_records, load_record, markdown_table, provenance, save_record, validate
-from .timing import MIN_ITERS, gpu_key, peak_for
+from .timing import MIN_ITERS, check_timing, gpu_key, peak_for
 from .workloads import ALL_METHODS, BENCH_FORMATS, SHAPE_SETS, bench_problems, default_methods, run_bench
 
 # %% auto #0
@@ -391,6 +391,12 @@ def _command(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     "Measure, print the table, then save a record or (`--check`) compare with one; return the exit code."
     problems, names = bench_problems(args.shapes, args.ranks), _methods(args)
+    check_timing(args.iters, args.warmup)
+    if not torch.cuda.is_available():
+        print("w4a4-book bench: nothing is measured here: no CUDA GPU (torch.cuda.is_available() is False). "
+              f"The recorded runs are the bench_*.json files in {data_dir()}, shown by the README and the benchmarks chapter.",
+              file=sys.stderr)
+        return 1
     rows = run_bench(problems, names, fmt=args.fmt, iters=args.iters, warmup=args.warmup)
     print(bench_table(rows))
     _print_targets(rows, args.fmt, names)
