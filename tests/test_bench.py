@@ -441,9 +441,11 @@ def test_cli_record_names_never_collide_across_formats():
 
 
 @needs_no_cuda
-def test_cli_refuses_cpu():
-    with pytest.raises(RuntimeError, match="CUDA device"):
-        report.bench_cli(["--shapes", "8192", "--iters", "20"])
+def test_cli_refuses_cpu(capsys):
+    "Without a GPU `bench` says so in one line on stderr and exits 1: no traceback, nothing saved."
+    assert report.bench_cli(["--shapes", "8192", "--iters", "20"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA GPU" in err[0]
 
 
 @pytest.fixture
