@@ -121,3 +121,32 @@ def test_links_stay_local(book):
     host = "w4a4-book.example.org"
     for page in dest.glob("*.html"):
         assert host not in page.read_text(), f"{page.name} links to {host}"
+
+
+REMOTE = re.compile(r'<(?:script|link|img|iframe|source|video|audio)\b[^>]*\b(?:src|href)=["\']?(https?://[^"\'\s>]*)'
+                    r'|url\(\s*["\']?(https?://[^)"\']*)')   # a tag that loads a URL, or CSS's url(...) and @import url(...)
+
+
+def test_pages_load_nothing_from_the_network(book):
+    "No page or stylesheet fetches a script, style, font or image from the network: links to GitHub are fine, a CDN is not."
+    dest, _, _ = book
+    for f in [*dest.rglob("*.html"), *dest.rglob("*.css")]:
+        m = REMOTE.search(f.read_text(encoding="utf-8", errors="replace"))
+        assert m is None, f"{f.relative_to(dest)} loads {m.group(1) or m.group(2)}"
+
+
+def test_formulas_are_mathml(book):
+    dest, _, _ = book
+    for name in ("01_formats.html", "02_reference.html"):
+        page = (dest/name).read_text()
+        assert page.count("<math") >= 5 and 'display="block"' in page, name
+        assert "katex" not in page.lower() and not re.search(r'class="math (inline|display)">\\[(\[]', page), name
+
+
+def test_book_css_is_linked(book):
+    "Every page links the book's stylesheet, which lets wide tables and long code lines scroll in their own box."
+    dest, _, _ = book
+    css = (dest/"book.css").read_text()
+    assert "overflow-x: auto" in css and "white-space: pre" in css
+    for page in dest.glob("*.html"):
+        assert 'rel="stylesheet" href="book.css"' in page.read_text(), page.name

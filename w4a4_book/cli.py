@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
+import html
 import importlib
 import importlib.util
 import os
@@ -15,15 +17,17 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from tqdm import tqdm
 
 # %% auto #0
-__all__ = ['COMMANDS', 'TRACEBACK_VAR', 'PAGE_SUFFIXES', 'ENGINES', 'Command', 'parser', 'main', 'sidebar_files', 'drop_missing',
-           'rm_default_exp', 'to_run', 'exec_defs', 'order_show_docs', 'drop_output_file', 'localize_links',
-           'book_procs', 'process_notebook', 'process_notebooks', 'build_site', 'build_quarto', 'render_book',
-           'render_arguments', 'render_command']
+__all__ = ['COMMANDS', 'TRACEBACK_VAR', 'PAGE_SUFFIXES', 'BOOK_CSS', 'ENGINES', 'Command', 'parser', 'main', 'sidebar_files',
+           'drop_missing', 'rm_default_exp', 'to_run', 'exec_defs', 'order_show_docs', 'drop_output_file',
+           'localize_links', 'book_procs', 'process_notebook', 'process_notebooks', 'build_site', 'build_quarto',
+           'offline_math', 'make_offline', 'with_book_css', 'render_book', 'render_arguments', 'render_command',
+           'book_server', 'serve_arguments', 'serve_command']
 
 # %% ../nbs/13_cli.ipynb #d25a0d69
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "render": Command("w4a4_book.cli", "build the book into _docs/ with smalldocs, offline",
                       add="render_arguments", run="render_command"),
+    "serve": Command("w4a4_book.cli", "serve the built book on 127.0.0.1, so search works in a browser",
+                     add="serve_arguments", run="serve_command"),
     "compile": Command("w4a4_book.gemm", "compile a kernel for sm_90a with no GPU and report its shared memory and PTX",
                        add="compile_arguments", run="compile_command"),
     "bench": Command("w4a4_book.bench.report", "time the W4A4 kernels against torch baselines on a Hopper GPU"),
@@ -295,6 +301,36 @@ def build_quarto(proc: Path | str) -> Path:
     subprocess.run([quarto, "render", "--no-cache"], cwd=proc, check=True)
     return Path(proc)/yaml.safe_load((Path(proc)/"_quarto.yml").read_text())["project"]["output-dir"]
 
+# %% ../nbs/13_cli.ipynb #a1f0c002
+BOOK_CSS = "book.css"   # in nbs/: the book's own layout rules, linked from every page
+_MATH = re.compile(r'<span class="math (inline|display)">\\[(\[](.*?)\\[)\]]</span>', re.S)
+_KATEX = re.compile(r'<link[^>]*katex[^>]*>|<script[^>]*katex[^>]*>\s*</script>')
+_REMOTE_IMPORT = re.compile(r'@import url\(["\']?https?://[^)]*\);?')
+
+def offline_math(page: str) -> str:
+    "`page`, HTML from smalldocs, with each formula (`\\(...\\)`, `\\[...\\]`) as MathML and KaTeX's CDN tags removed."
+    from latex2mathml.converter import convert
+    def mathml(m):
+        kind = m.group(1)
+        return f'<span class="math {kind}">{convert(html.unescape(m.group(2)), display="block" if kind == "display" else "inline")}</span>'
+    return _KATEX.sub("", _MATH.sub(mathml, page))
+
+def make_offline(site: Path | str) -> None:
+    "Make the smalldocs site in `site` load nothing from the network: MathML for formulas, no remote `@import` in its CSS."
+    site = Path(site)
+    for p in site.rglob("*.html"):
+        p.write_text(offline_math(p.read_text(encoding="utf-8")), encoding="utf-8")
+    for p in site.rglob("*.css"):
+        p.write_text(_REMOTE_IMPORT.sub("", p.read_text(encoding="utf-8")), encoding="utf-8")
+
+def with_book_css(config: dict) -> dict:
+    "A copy of the book's `config` whose HTML format also links `BOOK_CSS`."
+    html_opts = dict((config.get("format") or {}).get("html") or {})
+    css = html_opts.get("css") or []
+    html_opts["css"] = [*([css] if isinstance(css, str) else css), BOOK_CSS]
+    return {**config, "format": {**(config.get("format") or {}), "html": html_opts}}
+
+
 # %% ../nbs/13_cli.ipynb #7830ead2
 ENGINES = ("smalldocs", "quarto")
 
@@ -317,9 +353,10 @@ def render_book(root: Path | str = ".", dest: Path | str | None = None, proc: Pa
         print(f"render: {f} is in the sidebar but not written yet; left out", file=sys.stderr)
     with working_directory(cfg.config_path):
         process_notebooks(cfg.nbs_path, proc, quiet=quiet)
-    (proc/"_quarto.yml").write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
+    (proc/"_quarto.yml").write_text(yaml.safe_dump(with_book_css(config), sort_keys=False, allow_unicode=True))
     if engine == "smalldocs":
         out, warnings = build_site(proc, quiet=quiet)
+        make_offline(out)
         for w in warnings:
             print(f"render: warning: {w}", file=sys.stderr)
     else:
@@ -339,10 +376,38 @@ def render_arguments(p: argparse.ArgumentParser) -> None:
 
 def render_command(args: argparse.Namespace) -> int:
     "Run `w4a4-book render`: build the book and say where it went."
-    missing = next((m for m in ("nbdev", "smalldocs") if importlib.util.find_spec(m) is None), None)
+    missing = next((m for m in ("nbdev", "smalldocs", "latex2mathml") if importlib.util.find_spec(m) is None), None)
     if missing:                                  # the docs tools are dev extras
         print(f"render needs the dev extras ({missing} is missing): pip install -e '.[dev]'", file=sys.stderr)
         return 1
     dest = render_book(dest=args.dest, engine=args.engine, quiet=args.quiet)
     print(f"render: wrote {os.path.relpath(dest)}")
     return 0
+
+# %% ../nbs/13_cli.ipynb #b2e0d002
+def book_server(folder: Path | str, port: int = 0) -> ThreadingHTTPServer:
+    "An HTTP server, bound but not yet serving, of the built book in `folder` on 127.0.0.1:`port` (0: a free port)."
+    folder = Path(folder)
+    if not (folder/"index.html").is_file():
+        raise ValueError(f"dir {folder} has no index.html: run `w4a4-book render` first")
+    return ThreadingHTTPServer(("127.0.0.1", port), functools.partial(SimpleHTTPRequestHandler, directory=str(folder)))
+
+def serve_arguments(p: argparse.ArgumentParser) -> None:
+    "Options of `w4a4-book serve`."
+    p.add_argument("--dir", type=Path, default=None, help="folder to serve (default: doc_path of settings.ini, _docs)")
+    p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default: 8000; 0 picks a free one)")
+
+def serve_command(args: argparse.Namespace) -> int:
+    "Run `w4a4-book serve`: serve the built book on 127.0.0.1 until Ctrl-C."
+    folder = args.dir
+    if folder is None:
+        from nbdev.config import get_config
+        folder = get_config().doc_path
+    with book_server(folder, args.port) as httpd:
+        print(f"serving {folder} at http://127.0.0.1:{httpd.server_port}/ (Ctrl-C stops)", flush=True)
+        try:
+            httpd.serve_forever()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
