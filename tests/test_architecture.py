@@ -2,6 +2,7 @@
 no function is longer than 100 lines, pyflakes finds nothing, and `import w4a4_book` gives the public surface."""
 import ast
 import fnmatch
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,22 @@ def test_no_function_over_100_lines():
                 if n > 100:
                     long.append(f"{name}.{node.name}: {n} lines")
     assert not long, "\n".join(long)
+
+
+CONTEXT = r"\b(see|the \w+|as) (above|below)\b|\bthis chapter\b|\bthe last section\b|\bthe text\b"   # what help() cannot show
+
+
+def test_public_docstrings_stand_alone():
+    "Every public function and class has a docstring, and none points at text only its notebook shows."
+    bad = []
+    for name, path in modules():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node) or ""
+                words = [m.group(0) for m in re.finditer(CONTEXT, doc)]
+                if not doc.strip() or words:
+                    bad.append(f"{name}.{node.name}: {'no docstring' if not doc.strip() else 'says ' + ', '.join(words)}")
+    assert not bad, "\n".join(bad)
 
 
 def test_pyflakes_is_clean():

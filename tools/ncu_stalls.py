@@ -151,11 +151,19 @@ def main(argv=None):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from w4a4_book.records import provenance, save_record
     ncu_version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    command = "python tools/ncu_stalls.py " + shlex.join(["--kernel", a.kernel, "--shape", *map(str, a.shape), "--out", str(a.out)])
+    command = "python tools/ncu_stalls.py " + shlex.join(["--kernel", a.kernel, "--shape", *map(str, a.shape), "--out", _out_arg(a.out)])
     prov = provenance(command, [a.shape], kind="ncu", version=a.kernel, config=repr(config), ncu=ncu_version,
                       sections=list(SECTIONS), kernel=kernel)
     rows = [dict(section=s, metric=m, value=v) for s, d in metrics.items() for m, v in d.items()]
     print(f"saved {save_record(a.out, prov, rows)}")
+
+def _out_arg(out: Path) -> str:
+    "The `--out` of the stored command: relative to the checkout when inside it, else `nbs/data/` and the file name."
+    try:
+        return str(out.resolve().relative_to(Path(__file__).resolve().parent.parent))
+    except ValueError:
+        return f"nbs/data/{out.name}"
+
 
 def ncu_command(a, *options):
     "ncu with `options`, profiling the last of this script's child launches for `a.kernel` and `a.shape`."
@@ -194,7 +202,7 @@ def roles_main(a):
     k_blocks = tiles * (K // kern.bk) / ctas
     roles = by_role(parse_source(src), k_blocks, ctas, kernel_roles(kern))
     ncu_version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    command = "python tools/ncu_stalls.py " + shlex.join(["--roles", "--kernel", a.kernel, "--shape", *map(str, a.shape), "--out", str(a.out)])
+    command = "python tools/ncu_stalls.py " + shlex.join(["--roles", "--kernel", a.kernel, "--shape", *map(str, a.shape), "--out", _out_arg(a.out)])
     prov = provenance(command, [a.shape], kind="ncu-roles", version=a.kernel, config=repr(config), ncu=ncu_version,
                       k_blocks_per_cta=k_blocks, ctas=ctas)
     rows = [dict(role=r, metric=m, value=v) for r, d in roles.items() for m, v in d.items()]

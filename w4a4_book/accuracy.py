@@ -30,7 +30,9 @@ def _check_count(name: str, v, minimum: int = 1) -> None:
         raise ValueError(f"{name}={v} must be >= {minimum}")
 
 def activations(dist: str, tokens: int, K: int, seed: int = 0) -> torch.Tensor:
-    "Float32 activations `[tokens, K]` of distribution `dist` (see the table above), reproducible from `seed`."
+    """Float32 activations `[tokens, K]` of distribution `dist`, one of `DISTRIBUTIONS`: i.i.d. Gaussian; Gaussian with
+    `N_OUTLIER_CHANNELS` channels scaled by `OUTLIER_SCALE`; Student-t with 3 degrees of freedom; or LLM-like (log-normal
+    channel magnitudes, `N_MASSIVE_CHANNELS` of them set to `MASSIVE_SCALE` times the median). Reproducible from `seed`."""
     if not isinstance(dist, str) or dist not in DISTRIBUTIONS:
         raise ValueError(f"dist={dist!r} must be one of {DISTRIBUTIONS}")
     _check_count("tokens", tokens); _check_count("K", K); _check_count("seed", seed, 0)

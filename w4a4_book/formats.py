@@ -227,7 +227,10 @@ def _quantize_nvfp4(x: torch.Tensor) -> QTensor:
 INT_RANGE_LIMIT = 2.0 ** 127   # int4_pg, int8: |x| below it keeps every code·base a finite float32 (FLT_MAX ≈ 2^128)
 
 def quantize(x: torch.Tensor, fmt: str, scale_dtype: Optional[torch.dtype] = None) -> QTensor:
-    "Quantize `x` `[rows, K]` to `fmt` by the rules of this chapter; `scale_dtype` picks int4's scale type (float16 default)."
+    """Quantize `x` `[rows, K]` (finite, along K) to `fmt`, one of `QFORMATS`: int4 (4-bit codes, a 16-bit scale per group
+    of 64), nvfp4 (E2M1 values, an E4M3 scale per 16, an fp32 scale per tensor), int4_pg (4-bit codes, an integer
+    u in [1, 15] per group of 64 and an fp32 base per row) or int8 (codes in [-127, 127], an fp32 base per row).
+    `scale_dtype` picks int4's scale type (float16 default)."""
     check_fmt(fmt, QFORMATS)
     _check_matrix(x, fmt)
     scale_dtype = _scale_dtype(fmt, scale_dtype)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 # %% auto #0
 __all__ = ['REQUIRED_PROVENANCE', 'RECORD_SUFFIXES', 'COMMIT_ENV', 'validate', 'provenance', 'save_record', 'load_record',
-           'data_dir', 'list_records', 'load_rows', 'markdown_table']
+           'data_dir', 'list_records', 'load_rows', 'remeasure', 'commit_reachable', 'unverifiable', 'markdown_table']
 
 # %% ../nbs/14_records.ipynb #4a18b05e
 REQUIRED_PROVENANCE = ("gpu", "driver", "torch", "cutlass_dsl", "commit", "date", "shapes", "command")
@@ -180,6 +180,32 @@ def load_rows(kind: str) -> list[dict]:
     for path in list_records(kind):
         prov, rows = load_record(path)
         out += [{"gpu": prov["gpu"], "record": path.name, **r} for r in rows]
+    return out
+
+# %% ../nbs/14_records.ipynb #5f705051
+def remeasure(provenance: dict, name: str | None = None) -> str:
+    "The record's re-measure command, with an absolute `--out` path replaced by `nbs/data/` and the file name (`name`, or the path's)."
+    parts = provenance["command"].split()
+    for i, arg in enumerate(parts[:-1]):
+        if arg == "--out" and Path(parts[i + 1]).is_absolute():
+            parts[i + 1] = f"nbs/data/{name or Path(parts[i + 1]).name}"
+    return " ".join(parts)
+
+def commit_reachable(commit: str) -> bool | None:
+    "Whether `commit` (a record's, maybe `-dirty`) is in the history of this checkout's HEAD; None outside a full git clone."
+    root = _repo_root()
+    if _run("git", "rev-parse", "--is-shallow-repository", cwd=root) != "false":
+        return None
+    sha = commit.removesuffix("-dirty")
+    return _run("git", "merge-base", "--is-ancestor", sha, "HEAD", cwd=root) is not None
+
+def unverifiable() -> list[tuple[str, str]]:
+    "`(record name, its experiment note)` for each record whose commit is not in this checkout's history."
+    out = []
+    for path in list_records():
+        prov, _ = load_record(path)
+        if commit_reachable(prov["commit"]) is False:
+            out.append((path.name, prov.get("experiment", "")))
     return out
 
 # %% ../nbs/14_records.ipynb #1804eb1b

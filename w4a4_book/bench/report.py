@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..records import data_dir, list_records, load_record, markdown_table, provenance, save_record, validate
+from ..records import (data_dir, list_records, load_record, markdown_table, provenance, remeasure,
+                               save_record, validate)
 from .timing import MIN_ITERS, check_timing, gpu_key, peak_for
 from .workloads import ALL_METHODS, BENCH_FORMATS, SHAPE_SETS, bench_problems, default_methods, run_bench
 
@@ -231,7 +232,7 @@ def record_line(name: str, prov: dict) -> str:
     "Markdown: record `name`, the GPU and software it was measured with, and the command that re-measures it."
     validate(prov)
     return (f"`{name}`: {prov['gpu']}, driver {prov['driver']}, torch {prov['torch']}, nvidia-cutlass-dsl "
-            f"{prov['cutlass_dsl']}, commit `{prov['commit'][:12]}`, {prov['date']}. Re-measure: `{prov['command']}`")
+            f"{prov['cutlass_dsl']}, commit `{prov['commit'][:12]}`, {prov['date']}. Re-measure: `{remeasure(prov, name)}`")
 
 def recorded_report(kind: str, table: Callable[[list], str]) -> str:
     "Every record of `kind` in `nbs/data/`, labelled recorded: its provenance, its re-measure command, `table(rows)`."

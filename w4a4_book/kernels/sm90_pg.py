@@ -275,6 +275,7 @@ class PgCta(NamedTuple):
 @patch
 @cute.kernel
 def kernel(self: W4A4GemmPg, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layouts: PgLayouts, M: cutlass.Int32):
+    "The exact-integer device kernel: sets up the pipelines, then the load warp and the MMA warpgroups run their roles over the persistent schedule."
     mc, roles = self.cluster_n, self.roles
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     tidx, _, _ = cute.arch.thread_idx()

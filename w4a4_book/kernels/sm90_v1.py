@@ -55,6 +55,7 @@ class V1Tile(NamedTuple):
 @patch
 @cute.kernel
 def kernel(self: W4A4GemmV1, loads: parts.GemmLoads, mWcs, mBias, mmas: parts.Mmas, layouts: parts.Int4Layouts):
+    "v1's device kernel: every warp runs the one K-loop (load, decode, MMA, promote) of one output tile, then the epilogue."
     bm, bn, bk, mc, G = self.bm, self.bn, self.bk, self.cluster_n, self.group
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     tidx, _, _ = cute.arch.thread_idx()

@@ -112,6 +112,7 @@ class V2Cta(NamedTuple):
 @patch
 @cute.kernel
 def kernel(self: W4A4GemmV2, loads: parts.GemmLoads, mWcs, mBias, mmas: parts.Mmas, layouts: parts.Int4Layouts):
+    "v2's device kernel: sets up the pipelines, then each warp runs its role's method (load, decode, MMA) over the persistent schedule."
     mc, roles = self.cluster_n, self.roles
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     tidx, _, _ = cute.arch.thread_idx()
