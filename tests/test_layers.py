@@ -333,3 +333,16 @@ def test_int4_pg_layer_runs_the_exact_integer_kernel(act_fmt):
     layer.backend = "reference"
     ref = layer(x)
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+def test_quantize_model_replaces_nested_layers_like_from_linear():
+    "Nested linears are replaced where they sit, each exactly as `from_linear` converts it alone."
+    from w4a4_book.layers import quantize_model
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"blocks": torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(128, 256))])})
+    alone = W4A4Linear.from_linear(model["blocks"][0][0], 16, "int4_pg")
+    quantize_model(model, "int4_pg", 16, quiet=True)
+    got = model["blocks"][0][0]
+    assert model.w4a4_conversion.converted == ["blocks.0.0"] and isinstance(got, W4A4Linear)
+    x = torch.randn(8, 128, dtype=torch.bfloat16)
+    assert torch.equal(got(x), alone(x))

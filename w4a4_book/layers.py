@@ -5,7 +5,7 @@
 # %% ../nbs/08_layer.ipynb #8b91c046
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from fastcore.basics import patch
@@ -19,7 +19,7 @@ from .reference import w4a4_gemm_ref
 
 # %% auto #0
 __all__ = ['SMOOTH_ALPHA', 'BACKENDS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'ACT_FORMATS', 'smooth_factors',
-           'low_rank', 'W4A4Linear']
+           'low_rank', 'W4A4Linear', 'ConversionReport', 'quantize_model']
 
 # %% ../nbs/08_layer.ipynb #f9cd34a0
 SMOOTH_ALPHA = 0.5   # migration strength of SmoothQuant (Xiao et al., 2023), also SVDQuant's default
@@ -236,3 +236,74 @@ def to_int4_pg(self: W4A4Linear, act_fmt: Optional[str] = None) -> W4A4Linear:
     sd = {k: v for k, v in self.state_dict().items() if not k.startswith("qweight")}
     out.load_state_dict({**sd, "qweight_data": q.data, "qweight_scales": q.scales, "qweight_base": q.base})
     return out
+
+# %% ../nbs/08_layer.ipynb #9a1c0e02
+class ConversionReport(NamedTuple):
+    "What `quantize_model` did: the layers it converted, those it skipped and why, and whether it smoothed."
+    converted: list   # names of the converted layers
+    skipped: list     # (name, why) of each nn.Linear left as it was
+    smoothed: bool    # whether calibration batches set the smoothing factors
+
+    def __str__(self):
+        head = (f"converted {len(self.converted)} nn.Linear, skipped {len(self.skipped)}; "
+                f"{'smoothed from calibration' if self.smoothed else 'no calibration: smoothing skipped'}")
+        return "\n".join([head, *(f"  skipped {n}: {why}" for n, why in self.skipped)])
+
+def _channel_amax(model: nn.Module, names: list, calibration) -> dict:
+    "Run `calibration` through `model` and return each named linear's per-channel max |input|, float32 `[K]`."
+    amax, hooks = {}, []
+    def hook(name):
+        def record(mod, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0).float()
+            amax[name] = x if name not in amax else torch.maximum(amax[name], x)
+        return record
+    mods = dict(model.named_modules())
+    hooks = [mods[n].register_forward_pre_hook(hook(n)) for n in names]
+    try:
+        with torch.no_grad():
+            for batch in calibration:
+                model(*batch) if isinstance(batch, tuple) else model(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return amax
+
+# %% ../nbs/08_layer.ipynb #9a1c0e03
+def quantize_model(model: nn.Module, fmt: str = "int4", rank: int = 32, calibration=None, filter=None, *,
+                   quiet: bool = False, **layer_kwargs) -> nn.Module:
+    """Replace, in place, every `nn.Linear` of `model` that `filter(name, linear)` accepts (default: all) and the layer
+    can take by `W4A4Linear.from_linear(linear, rank, fmt, ...)`; smooth from the `calibration` batches if given.
+    `layer_kwargs` go to `from_linear` (`dtype`, `backend`, `act_fmt`, ...). Returns `model`, with the
+    `ConversionReport` as `model.w4a4_conversion` (printed unless `quiet`); raises ValueError if nothing converts."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if filter is not None and not callable(filter):
+        raise TypeError(f"filter must be callable as filter(name, linear), got {type(filter).__name__}")
+    dtype = layer_kwargs.get("dtype", torch.bfloat16)
+    take, skipped = [], []
+    for name, mod in model.named_modules():
+        if type(mod) is not nn.Linear:
+            continue
+        if filter is not None and not filter(name, mod):
+            skipped.append((name, "rejected by filter"))
+            continue
+        try:
+            _check_layer_args(mod.in_features, mod.out_features, rank, fmt, dtype, layer_kwargs.get("backend", "auto"),
+                              layer_kwargs.get("kernel_config"), layer_kwargs.get("act_fmt"))
+        except (TypeError, ValueError) as e:
+            skipped.append((name, str(e)))
+            continue
+        take.append(name)
+    if not take:
+        raise ValueError(f"model: no nn.Linear to convert ({len(skipped)} skipped: "
+                         f"{'; '.join(f'{n}: {w}' for n, w in skipped) or 'it has none'})")
+    amax = _channel_amax(model, take, calibration) if calibration is not None else {}
+    mods = dict(model.named_modules())
+    for name in take:
+        parent, _, child = name.rpartition(".")
+        new = W4A4Linear.from_linear(mods[name], rank, fmt, amax.get(name), **layer_kwargs)
+        setattr(mods[parent] if parent else model, child, new)
+    model.w4a4_conversion = ConversionReport(take, skipped, bool(amax))
+    if not quiet:
+        print(model.w4a4_conversion)
+    return model
