@@ -17,7 +17,7 @@ except _NotFound:            # a source tree that was never installed
 _PUBLIC = {"quantize": "formats", "dequantize": "formats", "QTensor": "formats", "w4a4_gemm_ref": "reference",
            "Problem": "operands", "solve": "smem", "explain": "smem", "HopperV1Config": "smem", "HopperV2Config": "smem",
            "gemm_w4a4": "gemm", "gemm_launcher": "gemm", "compile_kernel": "gemm", "W4A4Linear": "layers",
-           "quantize_model": "layers"}
+           "quantize_model": "layers", "save_quantized": "layers", "load_quantized": "layers"}
 
 def __getattr__(name):
     "The public names, imported from their modules on first use (PEP 562), so `import w4a4_book` stays light."

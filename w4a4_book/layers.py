@@ -18,8 +18,9 @@ from .operands import LORA_RANK_MULTIPLE
 from .reference import w4a4_gemm_ref
 
 # %% auto #0
-__all__ = ['SMOOTH_ALPHA', 'BACKENDS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'ACT_FORMATS', 'smooth_factors',
-           'low_rank', 'W4A4Linear', 'ConversionReport', 'quantize_model']
+__all__ = ['SMOOTH_ALPHA', 'BACKENDS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'ACT_FORMATS', 'SPEC_KEYS',
+           'smooth_factors', 'low_rank', 'W4A4Linear', 'ConversionReport', 'quantize_model', 'save_quantized',
+           'load_quantized']
 
 # %% ../nbs/08_layer.ipynb #f9cd34a0
 SMOOTH_ALPHA = 0.5   # migration strength of SmoothQuant (Xiao et al., 2023), also SVDQuant's default
@@ -306,4 +307,38 @@ def quantize_model(model: nn.Module, fmt: str = "int4", rank: int = 32, calibrat
     model.w4a4_conversion = ConversionReport(take, skipped, bool(amax))
     if not quiet:
         print(model.w4a4_conversion)
+    return model
+
+# %% ../nbs/08_layer.ipynb #9a1c0e07
+SPEC_KEYS = ("in_features", "out_features", "rank", "fmt", "act_fmt", "backend")   # what a W4A4Linear is built from
+
+@patch
+def layer_spec(self: W4A4Linear) -> dict:
+    "What `load_quantized` rebuilds this layer from: its `SPEC_KEYS`, whether it has a bias, and its dtype's name."
+    spec = {k: getattr(self, k) for k in SPEC_KEYS}
+    return {**spec, "bias": self.bias is not None, "dtype": str(self.dtype).removeprefix("torch.")}
+
+def save_quantized(model: nn.Module, path) -> None:
+    "Save `model`'s `state_dict` and the `layer_spec` of each `W4A4Linear` in it to `path` (with `torch.save`)."
+    specs = {n: m.layer_spec() for n, m in model.named_modules() if isinstance(m, W4A4Linear)}
+    if not specs:
+        raise ValueError("model: it holds no W4A4Linear; convert it with quantize_model first")
+    torch.save({"w4a4_layers": specs, "state_dict": model.state_dict()}, path)
+
+def load_quantized(model: nn.Module, path, map_location=None) -> nn.Module:
+    "Load what `save_quantized` wrote into `model`, the float architecture: each saved layer replaces the `nn.Linear` at its name."
+    saved = torch.load(path, map_location=map_location, weights_only=True)
+    if not isinstance(saved, dict) or "w4a4_layers" not in saved:
+        raise ValueError(f"path: {path} was not written by save_quantized")
+    mods = dict(model.named_modules())
+    for name, spec in saved["w4a4_layers"].items():
+        lin = mods.get(name)
+        if not isinstance(lin, nn.Linear) or (lin.in_features, lin.out_features) != (spec["in_features"], spec["out_features"]):
+            raise ValueError(f"model: {name!r} is not an nn.Linear({spec['in_features']}, {spec['out_features']}) "
+                             f"as in the saved model, it is {type(lin).__name__}")
+        layer = W4A4Linear(*(spec[k] for k in SPEC_KEYS[:4]), spec["bias"], dtype=getattr(torch, spec["dtype"]),
+                           act_fmt=spec["act_fmt"], backend=spec["backend"], device=lin.weight.device)
+        parent, _, child = name.rpartition(".")
+        setattr(mods[parent] if parent else model, child, layer)
+    model.load_state_dict(saved["state_dict"], strict=True)
     return model
