@@ -5,6 +5,7 @@
 # %% ../nbs/08_layer.ipynb #8b91c046
 from __future__ import annotations
 
+import json
 from typing import NamedTuple, Optional
 
 import torch
@@ -319,19 +320,36 @@ def layer_spec(self: W4A4Linear) -> dict:
     return {**spec, "bias": self.bias is not None, "dtype": str(self.dtype).removeprefix("torch.")}
 
 def save_quantized(model: nn.Module, path) -> None:
-    "Save `model`'s `state_dict` and the `layer_spec` of each `W4A4Linear` in it to `path` (with `torch.save`)."
+    """Save `model`'s `state_dict` and the `layer_spec` of each `W4A4Linear` in it to `path`: with safetensors when the
+    name ends in `.safetensors` (the specs go in its metadata), else with `torch.save`."""
     specs = {n: m.layer_spec() for n, m in model.named_modules() if isinstance(m, W4A4Linear)}
     if not specs:
         raise ValueError("model: it holds no W4A4Linear; convert it with quantize_model first")
-    torch.save({"w4a4_layers": specs, "state_dict": model.state_dict()}, path)
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path), metadata={"w4a4_layers": json.dumps(specs)})
+    else:
+        torch.save({"w4a4_layers": specs, "state_dict": model.state_dict()}, path)
 
-def load_quantized(model: nn.Module, path, map_location=None) -> nn.Module:
-    "Load what `save_quantized` wrote into `model`, the float architecture: each saved layer replaces the `nn.Linear` at its name."
+def _read_saved(path, map_location) -> tuple:
+    "The `(layer specs, state_dict)` that `save_quantized` wrote to `path`."
+    if str(path).endswith(".safetensors"):
+        from safetensors import safe_open
+        with safe_open(str(path), framework="pt", device=str(map_location or "cpu")) as f:
+            meta = f.metadata() or {}
+            if "w4a4_layers" not in meta:
+                raise ValueError(f"path: {path} was not written by save_quantized")
+            return json.loads(meta["w4a4_layers"]), {k: f.get_tensor(k) for k in f.keys()}
     saved = torch.load(path, map_location=map_location, weights_only=True)
     if not isinstance(saved, dict) or "w4a4_layers" not in saved:
         raise ValueError(f"path: {path} was not written by save_quantized")
+    return saved["w4a4_layers"], saved["state_dict"]
+
+def load_quantized(model: nn.Module, path, map_location=None) -> nn.Module:
+    "Load what `save_quantized` wrote into `model`, the float architecture: each saved layer replaces the `nn.Linear` at its name."
+    specs, state = _read_saved(path, map_location)
     mods = dict(model.named_modules())
-    for name, spec in saved["w4a4_layers"].items():
+    for name, spec in specs.items():
         lin = mods.get(name)
         if not isinstance(lin, nn.Linear) or (lin.in_features, lin.out_features) != (spec["in_features"], spec["out_features"]):
             raise ValueError(f"model: {name!r} is not an nn.Linear({spec['in_features']}, {spec['out_features']}) "
@@ -340,5 +358,5 @@ def load_quantized(model: nn.Module, path, map_location=None) -> nn.Module:
                            act_fmt=spec["act_fmt"], backend=spec["backend"], device=lin.weight.device)
         parent, _, child = name.rpartition(".")
         setattr(mods[parent] if parent else model, child, layer)
-    model.load_state_dict(saved["state_dict"], strict=True)
+    model.load_state_dict(state, strict=True)
     return model
