@@ -5,6 +5,7 @@
 # %% ../nbs/08_layer.ipynb #8b91c046
 from __future__ import annotations
 
+import inspect
 import json
 from typing import NamedTuple, Optional
 
@@ -281,7 +282,10 @@ def quantize_model(model: nn.Module, fmt: str = "int4", rank: int = 32, calibrat
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if filter is not None and not callable(filter):
         raise TypeError(f"filter must be callable as filter(name, linear), got {type(filter).__name__}")
-    dtype = layer_kwargs.get("dtype", torch.bfloat16)
+    # the options each layer is built with, `from_linear`'s defaults filled in (a misspelt one raises TypeError here)
+    opts = inspect.signature(W4A4Linear.from_linear).bind(None, **layer_kwargs)
+    opts.apply_defaults()
+    opts = opts.arguments
     take, skipped = [], []
     for name, mod in model.named_modules():
         if type(mod) is not nn.Linear:
@@ -290,8 +294,8 @@ def quantize_model(model: nn.Module, fmt: str = "int4", rank: int = 32, calibrat
             skipped.append((name, "rejected by filter"))
             continue
         try:
-            _check_layer_args(mod.in_features, mod.out_features, rank, fmt, dtype, layer_kwargs.get("backend", "auto"),
-                              layer_kwargs.get("kernel_config"), layer_kwargs.get("act_fmt"))
+            _check_layer_args(mod.in_features, mod.out_features, rank, fmt, opts["dtype"], opts["backend"],
+                              opts["kernel_config"], opts["act_fmt"])
         except (TypeError, ValueError) as e:
             skipped.append((name, str(e)))
             continue
