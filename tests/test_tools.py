@@ -75,6 +75,17 @@ def test_kernel_is_a_registry_name():
         ncu_stalls.kernel_config("v3")
 
 
+def test_int4_pg_kernel_and_roles():
+    "`--fmt int4_pg` names the exact-integer kernel with the tile the library picks for the shape; it has no decode role."
+    spec, config = ncu_stalls.kernel_config(None, "int4_pg", (4352, 3072, 10240, 128))
+    assert spec.fmt == "int4_pg" and config == gemm.default_config("int4_pg", problem=gemm.example_problem(spec, 4352, 3072, 10240, 128))
+    kern, _ = gemm.build(config, gemm.example_problem(spec, 4352, 3072, 10240, 128))
+    r = kern.roles
+    assert ncu_stalls.kernel_roles(kern) == {r.load_regs: ("load", r.first_worker_warp), r.mma_regs: ("mma", len(r.mma_warps))}
+    a = ncu_stalls.parser().parse_args(["--fmt", "int4_pg", "--out", "x.json"])
+    assert ncu_stalls._fmt_arg(a) == ["--fmt", "int4_pg"] and ncu_stalls._fmt_arg(ncu_stalls.parser().parse_args(["--out", "x"])) == []
+
+
 @pytest.mark.parametrize("path", list_records("ncu"), ids=lambda p: p.name)
 def test_recorded_commands_still_parse(path):
     "Every ncu record's command, written with `--version` before the registry, parses to the kernel its `version` field names."

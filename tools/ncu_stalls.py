@@ -25,20 +25,22 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpSt
 DETAILS = ("--print-details", "all")   # also the metrics behind each section's charts: stall reasons, pipe shares
 WARMUP = 3
 
-def kernel_config(name):
-    "The registry's kernel `name` (None: the default kernel) as `(spec, config)`, its config at every default."
+def kernel_config(name, fmt="int4", shape=None):
+    """The registry's kernel `name` (None: the format's default kernel) for `fmt` as `(spec, config)`: its config at
+    every default, with the tile the library picks for `shape` where the kernel has a choice (`gemm.tile_choice`)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from w4a4_book import gemm
-    spec = gemm.find_kernel(name)
-    return spec, spec.config()
+    spec = gemm.find_kernel(name, fmt)
+    config = spec.config()
+    return spec, (config if shape is None else gemm.tile_choice(config, gemm.example_problem(spec, *shape)))
 
-def child(name, shape):
+def child(name, fmt, shape):
     "Runs inside ncu: build one workload and launch the kernel `name` WARMUP + 1 times."
     import torch
     from w4a4_book import gemm
     from w4a4_book.bench.workloads import make_workload
-    _, config = kernel_config(name)
-    w = make_workload(*shape)
+    _, config = kernel_config(name, fmt, shape)
+    w = make_workload(*shape, fmt=fmt)
     launch, _ = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=config)
     for _ in range(WARMUP + 1):
         launch()
@@ -81,8 +83,9 @@ def kernel_roles(kernel):
     "`{setmaxnreg count: (role, warps)}` of a v2 kernel object (its `WarpRoles`), or `{None: ('all', warps)}` for v1."
     r = getattr(kernel, "roles", None)
     if r is None: return {None: ("all", kernel.threads // 32)}
-    load_warps = r.decode_warps[0]                # every warp below the decode warpgroup sets `load_regs`
-    return {r.load_regs: ("load", load_warps), r.decode_regs: ("decode", len(r.decode_warps)), r.mma_regs: ("mma", len(r.mma_warps))}
+    out = {r.load_regs: ("load", r.first_worker_warp)}   # every warp below the first worker warp sets `load_regs`
+    if r.decode_warps: out[r.decode_regs] = ("decode", len(r.decode_warps))
+    return {**out, r.mma_regs: ("mma", len(r.mma_warps))}
 
 def by_role(instrs, k_blocks_per_cta, ctas, roles_by_regs):
     """Attribute per-instruction samples to warp roles (`roles_by_regs` as from `kernel_roles`). Returns
@@ -123,6 +126,7 @@ def parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", default=None, help="the kernel's registry name, e.g. v1 or v2 (default: the default kernel)")
     ap.add_argument("--version", dest="kernel", help=argparse.SUPPRESS)   # the older records' spelling of --kernel
+    ap.add_argument("--fmt", default="int4", help="the weights' format, e.g. int4 or int4_pg (default: int4)")
     ap.add_argument("--shape", nargs=4, type=int, default=[4352, 3072, 3840, 32], metavar=("M", "N", "K", "R"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--roles", action="store_true", help="per-role samples from the source page (see the docstring)")
@@ -132,10 +136,10 @@ def parser():
 def main(argv=None):
     "Profile the kernel `argv` names and save the record; with `--child`, be the process ncu profiles."
     a = parser().parse_args(argv)
-    spec, config = kernel_config(a.kernel)            # an unknown name fails here, naming it
+    spec, config = kernel_config(a.kernel, a.fmt, a.shape)   # an unknown name or format fails here, naming it
     a.kernel = spec.kernel
     if a.child:
-        return child(a.kernel, a.shape)
+        return child(a.kernel, a.fmt, a.shape)
     def profile(extra):
         return subprocess.run(ncu_command(a, "--csv", "--page", "details", *[x for s in SECTIONS for x in ("--section", s)],
                                           *extra), capture_output=True, text=True)
@@ -151,11 +155,15 @@ def main(argv=None):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from w4a4_book.records import provenance, save_record
     ncu_version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    command = "python tools/ncu_stalls.py " + shlex.join(["--kernel", a.kernel, "--shape", *map(str, a.shape), "--out", _out_arg(a.out)])
-    prov = provenance(command, [a.shape], kind="ncu", version=a.kernel, config=repr(config), ncu=ncu_version,
+    command = "python tools/ncu_stalls.py " + shlex.join(["--kernel", a.kernel, *_fmt_arg(a), "--shape", *map(str, a.shape), "--out", _out_arg(a.out)])
+    prov = provenance(command, [a.shape], kind="ncu", version=a.kernel, fmt=a.fmt, config=repr(config), ncu=ncu_version,
                       sections=list(SECTIONS), kernel=kernel)
     rows = [dict(section=s, metric=m, value=v) for s, d in metrics.items() for m, v in d.items()]
     print(f"saved {save_record(a.out, prov, rows)}")
+
+def _fmt_arg(a) -> list:
+    "`--fmt` for a stored command, left out for int4 so that the older records' commands stay as they were."
+    return [] if a.fmt == "int4" else ["--fmt", a.fmt]
 
 def _out_arg(out: Path) -> str:
     "The `--out` of the stored command: relative to the checkout when inside it, else `nbs/data/` and the file name."
@@ -168,7 +176,7 @@ def _out_arg(out: Path) -> str:
 def ncu_command(a, *options):
     "ncu with `options`, profiling the last of this script's child launches for `a.kernel` and `a.shape`."
     return ["ncu", "--kernel-name", "regex:kernel_cutlass_kernel_w4a4", "--launch-skip", str(WARMUP), "--launch-count", "1",
-            *options, sys.executable, __file__, "--child", "--kernel", a.kernel, "--shape", *map(str, a.shape), "--out", "-"]
+            *options, sys.executable, __file__, "--child", "--kernel", a.kernel, "--fmt", a.fmt, "--shape", *map(str, a.shape), "--out", "-"]
 
 def launched_ctas(kern, M, N):
     "CTAs the kernel object `kern` launches for an `M`×`N` output: one per tile (v1), or its persistent scheduler's grid (v2)."
@@ -192,18 +200,17 @@ def roles_main(a):
                              capture_output=True, text=True, check=True).stdout
     import torch
     from w4a4_book import gemm
-    from w4a4_book.operands import Problem
     from w4a4_book.records import provenance, save_record
-    _, config = kernel_config(a.kernel)
-    kern, _ = gemm.build(config, Problem(*a.shape), gemm.sm_count(torch.cuda.current_device()))   # the grid that ran
+    spec, config = kernel_config(a.kernel, a.fmt, a.shape)
+    kern, _ = gemm.build(config, gemm.example_problem(spec, *a.shape), gemm.sm_count(torch.cuda.current_device()))   # the grid that ran
     M, N, K, R = a.shape
     tiles = -(-M // kern.bm) * (N // kern.bn)
     ctas = launched_ctas(kern, M, N)
     k_blocks = tiles * (K // kern.bk) / ctas
     roles = by_role(parse_source(src), k_blocks, ctas, kernel_roles(kern))
     ncu_version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    command = "python tools/ncu_stalls.py " + shlex.join(["--roles", "--kernel", a.kernel, "--shape", *map(str, a.shape), "--out", _out_arg(a.out)])
-    prov = provenance(command, [a.shape], kind="ncu-roles", version=a.kernel, config=repr(config), ncu=ncu_version,
+    command = "python tools/ncu_stalls.py " + shlex.join(["--roles", "--kernel", a.kernel, *_fmt_arg(a), "--shape", *map(str, a.shape), "--out", _out_arg(a.out)])
+    prov = provenance(command, [a.shape], kind="ncu-roles", version=a.kernel, fmt=a.fmt, config=repr(config), ncu=ncu_version,
                       k_blocks_per_cta=k_blocks, ctas=ctas)
     rows = [dict(role=r, metric=m, value=v) for r, d in roles.items() for m, v in d.items()]
     print(f"saved {save_record(a.out, prov, rows)}")
