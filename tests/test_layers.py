@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from w4a4_book.formats import dequantize, quantize
+from w4a4_book.formats import dequantize, quantize, reciprocal
 from w4a4_book.layers import W4A4Linear, low_rank, smooth_factors
 from w4a4_book.reference import w4a4_gemm_ref
 from w4a4_book import gemm
@@ -72,7 +72,7 @@ def test_decomposition_reconstructs_weight(fmt):
 def test_forward_is_the_reference_operator(fmt):
     lin, calib, x = outlier_problem()
     layer = W4A4Linear.from_linear(lin, rank=16, fmt=fmt, act_sample=calib)
-    xs = x.float() / layer.smooth.float()
+    xs = x.float() * reciprocal(layer.smooth.float())
     act = quantize(xs, fmt, torch.bfloat16 if fmt == "int4" else None)
     lora_act = (x @ layer.lora_down.float()).bfloat16()
     expected = w4a4_gemm_ref(act, layer.qweight, lora_act, layer.lora_up, layer.wcscales, layer.bias)
@@ -114,9 +114,10 @@ def test_state_dict_round_trip():
 
 def test_no_bias_and_float16():
     lin = nn.Linear(128, 64, bias=False)
-    layer = W4A4Linear.from_linear(lin, rank=16, dtype=torch.float16)
+    layer = W4A4Linear.from_linear(lin, rank=16, fmt="int4", dtype=torch.float16)
     assert layer.bias is None and layer.lora_up.dtype == torch.float16
     assert layer.qweight_scales.dtype == torch.float16
+    assert W4A4Linear.from_linear(lin, rank=16, dtype=torch.float16).qweight_scales.dtype == torch.uint8   # the default: int4_pg
     assert layer(torch.randn(3, 128)).shape == (3, 64)
 
 
@@ -142,8 +143,8 @@ def test_sm90_shape_conditions(monkeypatch):
     assert W4A4Linear(256, 128, rank=16, fmt="nvfp4").why_not_sm90(x).startswith("no sm90 kernel: fmt: no kernel computes 'nvfp4'")
     assert W4A4Linear(192, 128, rank=16).why_not_sm90(x) == "in_features: K=192 must be a multiple of 128 (the kernel's K-block)"
     assert W4A4Linear(256, 64, rank=16).why_not_sm90(x) == "out_features: N=64 must be a multiple of 128 (tile N × cluster_n)"
-    assert W4A4Linear(512, 256, rank=16, kernel_config=HopperV2Config(cluster_n=2)).why_not_sm90(x) is None
-    assert W4A4Linear(512, 128, rank=16, kernel_config=HopperV2Config(cluster_n=2)).why_not_sm90(x).startswith("out_features: N=128")
+    assert W4A4Linear(512, 256, rank=16, fmt="int4", kernel_config=HopperV2Config(cluster_n=2)).why_not_sm90(x) is None
+    assert W4A4Linear(512, 128, rank=16, fmt="int4", kernel_config=HopperV2Config(cluster_n=2)).why_not_sm90(x).startswith("out_features: N=128")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert W4A4Linear(256, 128, rank=16).why_not_sm90(x) == "x is on a GPU of compute capability (8, 0), not (9, 0)"
 
@@ -179,15 +180,15 @@ def test_dispatch_to_sm90_kernel(monkeypatch, version):
     def fake_quantize_lora_down(x, smooth, lora_down_t, fmt):
         "What the fused kernel computes, by the reference rules, on x already cast to the layer's dtype."
         assert x.dtype == torch.float16 and x.is_contiguous()
-        act = quantize(x.float() / smooth.float(), "int4", torch.float16)
+        act = quantize(x.float() * reciprocal(smooth.float()), "int4", torch.float16)
         return act, (x.float() @ lora_down_t.float().T).half()
 
     monkeypatch.setattr(gemm, "gemm_w4a4", fake_gemm_w4a4)
     monkeypatch.setattr(gemm, "quantize_lora_down", fake_quantize_lora_down)
     monkeypatch.setattr(W4A4Linear, "why_not_sm90", lambda self, x: None)
     lin, calib, x = outlier_problem()
-    layer = W4A4Linear.from_linear(lin, rank=16, act_sample=calib, kernel_config={"v1": HopperV1Config, "v2": HopperV2Config}[version](),
-                                   dtype=torch.float16)
+    layer = W4A4Linear.from_linear(lin, rank=16, fmt="int4", act_sample=calib,
+                                   kernel_config={"v1": HopperV1Config, "v2": HopperV2Config}[version](), dtype=torch.float16)
     xb = x.bfloat16()
     y = layer(xb)
     assert layer.last_backend == f"sm90-{version}-promote" and y.dtype == torch.bfloat16
@@ -246,7 +247,7 @@ LIN = nn.Linear(256, 64)
     (lambda: W4A4Linear.from_linear(LIN, fmt="fp4"), ValueError, "fmt='fp4'"),
     (lambda: W4A4Linear.from_linear(LIN, fmt=None), TypeError, "fmt must be a str"),
     (lambda: W4A4Linear.from_linear(nn.Linear(200, 64), rank=16), ValueError,
-     "in_features=200 is not a multiple of the int4 group size 64"),
+     "in_features=200 is not a multiple of the int4_pg group size 64"),
     (lambda: W4A4Linear.from_linear(nn.Linear(40, 64), rank=16, fmt="nvfp4"), ValueError,
      "in_features=40 is not a multiple of the nvfp4 group size 16"),
     (lambda: W4A4Linear.from_linear(LIN, act_sample=torch.randn(4, 64)), ValueError,
@@ -257,6 +258,7 @@ LIN = nn.Linear(256, 64)
     (lambda: W4A4Linear.from_linear(LIN, dtype=torch.float32), ValueError, "dtype=torch.float32"),
     (lambda: W4A4Linear.from_linear(LIN, backend="cuda"), ValueError, "backend='cuda'"),
     (lambda: W4A4Linear.from_linear(LIN, kernel_config="v9"), TypeError, "config: expected one of"),
+    (lambda: W4A4Linear(256, 128, kernel_config=HopperV2Config()), ValueError, "kernel_config: HopperV2Config is a kernel for 'int4' weights, but fmt='int4_pg'"),
     (lambda: W4A4Linear(0, 64, rank=0), ValueError, "in_features=0"),
     (lambda: W4A4Linear(256, 64.0), TypeError, "out_features: must be an int"),
 ])
@@ -292,7 +294,7 @@ def test_int4_pg_layer_is_the_reference_operator(act_fmt):
     sd = layer.state_dict()
     assert sd["qweight_scales"].dtype == torch.uint8 and sd["qweight_base"].shape == (128,)
     assert int(sd["qweight_scales"].min()) >= 1 and int(sd["qweight_scales"].max()) <= 15
-    act = quantize(x.float() / layer.smooth.float(), act_fmt or "int4_pg")
+    act = quantize(x.float() * reciprocal(layer.smooth.float()), act_fmt or "int4_pg")
     lora_act = (x @ layer.lora_down.float()).bfloat16()
     expected = w4a4_gemm_ref(act, layer.qweight, lora_act, layer.lora_up, layer.wcscales, layer.bias)
     assert torch.equal(layer(x), expected) and layer.last_backend == "reference"

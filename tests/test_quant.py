@@ -7,7 +7,7 @@ import torch
 from w4a4_book import gemm
 from w4a4_book.operands import check_quant_inputs
 from w4a4_book.kernels.sm90_quant import G, MAX_RANK
-from w4a4_book.formats import quantize
+from w4a4_book.formats import quantize, reciprocal
 
 
 def bf16(*shape):
@@ -65,7 +65,7 @@ def test_exact_against_quantize(M, K, R, dt, smooth):
     down = (torch.randn(K, R, device="cuda", generator=g) / K ** 0.5).to(dt) if R else None
     act, lora_act = gemm.quantize_lora_down(x, lam, down.T.contiguous() if R else None)
     torch.cuda.synchronize()
-    xs = x.float() / lam.float() if smooth else x.float()
+    xs = x.float() * reciprocal(lam.float()) if smooth else x.float()
     ref = quantize(xs, "int4", dt)
     bad = (act.scales != ref.scales).nonzero()
     assert not len(bad), (f"{len(bad)} scales differ, first (group, row): {bad[:4].tolist()}, "
@@ -103,7 +103,7 @@ def test_int8_lanes_exact_against_quantize(fmt, M, K, R, dt, smooth):
     down = (torch.randn(K, R, device="cuda", generator=g) / K ** 0.5).to(dt) if R else None
     act, lora_act = gemm.quantize_lora_down(x, lam, down.T.contiguous() if R else None, fmt=fmt)
     torch.cuda.synchronize()
-    xs = x.float() / lam.float() if smooth else x.float()
+    xs = x.float() * reciprocal(lam.float()) if smooth else x.float()
     ref = quantize(xs, fmt)
     ref8 = ref.as_int8() if fmt == "int4_pg" else ref
     assert act.fmt == fmt and act.packing == "int8"

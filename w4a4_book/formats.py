@@ -5,6 +5,7 @@
 # %% ../nbs/01_formats.ipynb #58d7f179
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,7 +16,7 @@ from fastcore.basics import patch
 __all__ = ['GROUP_SIZE', 'FORMATS', 'INT_FORMATS', 'QFORMATS', 'INT4_MIN', 'INT4_MAX', 'E2M1_MAX', 'E4M3_MAX', 'SCALE_DTYPES',
            'INPUT_DTYPES', 'PG_GROUP', 'PG_U_MAX', 'INT8_MAX', 'INT_MAX_ABS', 'K_MULTIPLE', 'INT_RANGE_LIMIT',
            'CONVERT_RULES', 'check_fmt', 'decode_table', 'pack_nibbles', 'unpack_nibbles', 'unpack_int4', 'QTensor',
-           'quantize', 'dequantize', 'to_int4_pg']
+           'reciprocal', 'quantize', 'dequantize', 'to_int4_pg']
 
 # %% ../nbs/01_formats.ipynb #e29f6a35
 GROUP_SIZE = {"int4": 64, "nvfp4": 16}   # the 4-bit formats with one float scale per group
@@ -91,6 +92,8 @@ def unpack_int4(data: torch.Tensor) -> torch.Tensor:
     return (unpack_nibbles(data).to(torch.int8) << 4) >> 4
 
 # %% ../nbs/01_formats.ipynb #44e1963f
+_VALUES_UNREAD = contextvars.ContextVar("values_unread", default=False)   # set by `QTensor.trusted`
+
 @dataclass(frozen=True, eq=False)
 class QTensor:
     "A quantized matrix `[rows, K]`: codes, one scale per group of `G` along K, and the tensor or row scales of its format."
@@ -129,6 +132,16 @@ class QTensor:
                 raise TypeError("global_scale must be a 0-d float32 tensor for nvfp4")
             if gs.device != self.data.device:
                 raise ValueError(f"global_scale is on {gs.device} but data is on {self.data.device}")
+
+    @classmethod
+    def trusted(cls, *args, **kwargs) -> "QTensor":
+        """A `QTensor` of codes a verified kernel just wrote: its fields (types, shapes, devices) are checked as always,
+        its values are not read, so building it costs no device reduction and no host synchronisation."""
+        token = _VALUES_UNREAD.set(True)
+        try:
+            return cls(*args, **kwargs)
+        finally:
+            _VALUES_UNREAD.reset(token)
 
     @property
     def packing(self) -> str:
@@ -184,13 +197,19 @@ def _scale_dtype(fmt: str, scale_dtype) -> Optional[torch.dtype]:
         raise ValueError(f"scale_dtype={scale_dtype} is not allowed for {fmt}; expected one of {allowed}")
     return scale_dtype
 
+def reciprocal(t: torch.Tensor) -> torch.Tensor:
+    """`1 / t` correctly rounded in `t`'s dtype, on CPU and CUDA alike (a tensor numerator: no rewrite into an
+    approximate reciprocal), saturated at the dtype's largest finite value: a subnormal `t` has no finite reciprocal,
+    and `0 · inf` would be NaN where a code must be 0."""
+    return (torch.ones_like(t) / t).clamp(max=torch.finfo(t.dtype).max)
+
 def _groups(x: torch.Tensor, fmt: str) -> torch.Tensor:
     "View `[rows, K]` as `[rows, K/G, G]`."
     return x.reshape(x.shape[0], x.shape[1] // K_MULTIPLE[fmt], K_MULTIPLE[fmt])
 
 # %% ../nbs/01_formats.ipynb #b4e9c6f4
 def _quantize_int4(x: torch.Tensor, scale_dtype: torch.dtype) -> QTensor:
-    "INT4 rule on float32 `x` `[rows, K]`: scale = amax/7 rounded to `scale_dtype`, codes = round(x/scale)."
+    "INT4 rule on float32 `x` `[rows, K]`: scale = amax/7 rounded to `scale_dtype`, codes = round(x * (1/scale))."
     xg = _groups(x, "int4")
     amax = xg.abs().amax(-1)
     # a tensor divisor: PyTorch turns division by a Python number into a multiply by its rounded reciprocal on
@@ -199,7 +218,7 @@ def _quantize_int4(x: torch.Tensor, scale_dtype: torch.dtype) -> QTensor:
     if torch.isinf(scale).any():
         raise ValueError(f"x has a group with amax/{INT4_MAX} beyond the range of {scale_dtype}; use bfloat16 scales")
     s = scale.float().unsqueeze(-1)
-    q = torch.where(s > 0, torch.round(xg / s), 0.0).clamp(INT4_MIN, INT4_MAX).to(torch.int8)
+    q = torch.where(s > 0, torch.round(xg * reciprocal(s)), 0.0).clamp(INT4_MIN, INT4_MAX).to(torch.int8)
     codes = (q & 0xF).to(torch.uint8).reshape(x.shape)
     return QTensor(pack_nibbles(codes), scale.T.contiguous(), "int4")
 
@@ -298,8 +317,8 @@ def _check_int_fields(q) -> None:
         raise TypeError("scales (u, uint8 [K/64, rows]) must be given for int4_pg in nibbles")
     if u is not None:
         _check_field("scales", u, torch.uint8, (k // PG_GROUP, rows), d.device, fmt)
-    if d.device.type == "meta" or (d.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return                                    # no values to read: a meta tensor, or a CUDA graph being captured
+    if d.device.type == "meta" or _VALUES_UNREAD.get() or (d.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return                                    # no values to read: a meta tensor, a kernel's output, or a graph capture
     if not torch.isfinite(q.base).all() or (q.base < 0).any():
         raise ValueError("base must be finite and >= 0")
     if u is not None and u.numel() and (int(u.min()) < 1 or int(u.max()) > PG_U_MAX):
@@ -323,12 +342,12 @@ def _pg_scales(s: torch.Tensor) -> tuple:
     return base, u
 
 def _quantize_int4_pg(x: torch.Tensor) -> QTensor:
-    "int4_pg rule on float32 `x` `[rows, K]`: row base = max(amax/7)/15, u = round(s/base), codes = round(x/(base*u))."
+    "int4_pg rule on float32 `x` `[rows, K]`: row base = max(amax/7)/15, u = round(s/base), codes = round(x * (1/(base*u)))."
     xg = _groups(x, "int4_pg")
     amax = xg.abs().amax(-1)
     base, u = _pg_scales(amax / torch.full_like(amax, INT4_MAX))
     scale = (base[:, None] * u).unsqueeze(-1)
-    q = torch.where(scale > 0, torch.round(xg / scale), 0.0).clamp(INT4_MIN, INT4_MAX).to(torch.int8)
+    q = torch.where(scale > 0, torch.round(xg * reciprocal(scale)), 0.0).clamp(INT4_MIN, INT4_MAX).to(torch.int8)
     codes = (q & 0xF).to(torch.uint8).reshape(x.shape)
     return QTensor(pack_nibbles(codes), u.to(torch.uint8).T.contiguous(), "int4_pg", base=base.contiguous())
 
@@ -358,11 +377,11 @@ def as_nibbles(self: QTensor) -> QTensor:
 
 # %% ../nbs/01_formats.ipynb #0f024ea6
 def _quantize_int8(x: torch.Tensor) -> QTensor:
-    "Per-row symmetric int8 on float32 `x` `[rows, K]`: base = amax_row/127, q = round(x/base) in [-127, 127]."
+    "Per-row symmetric int8 on float32 `x` `[rows, K]`: base = amax_row/127, q = round(x * (1/base)) in [-127, 127]."
     amax = x.abs().amax(-1) if x.shape[1] else x.new_zeros(x.shape[0])
     base = amax / torch.full_like(amax, INT8_MAX)
     b = base[:, None]
-    q = torch.where(b > 0, torch.round(x / b), 0.0).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    q = torch.where(b > 0, torch.round(x * reciprocal(b)), 0.0).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return QTensor(q.contiguous(), None, "int8", base=base.contiguous())
 
 # %% ../nbs/01_formats.ipynb #1504325e

@@ -16,15 +16,16 @@ import torch
 
 import w4a4_book.smem as smem
 import w4a4_book.operands as operands
-from .formats import QTensor
+from .formats import QTensor, reciprocal
 from .operands import Problem, fail
 
 # %% auto #0
-__all__ = ['REGISTRY', 'DEFAULTS', 'MIN_STAGES', 'TILE_CHOICES', 'DEFAULT_NUM_SMS', 'SCALE_DTYPE', 'ACTIVATION_FORMATS',
-           'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields', 'bind',
-           'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_on_fakes', 'example_problem',
-           'compile_kernel', 'to_cute', 'compiled_kernel', 'gemm_launcher', 'gemm_w4a4', 'compile_arguments',
-           'compile_command', 'sm_count', 'k_splits', 'quantize_lora_down', 'compile_quant']
+__all__ = ['REGISTRY', 'DEFAULTS', 'MIN_STAGES', 'TILE_CHOICES', 'DEFAULT_NUM_SMS', 'SCALE_DTYPE', 'ACT_CTAS_PER_SM',
+           'ACTIVATION_FORMATS', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config',
+           'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport',
+           'compile_on_fakes', 'example_problem', 'compile_kernel', 'to_cute', 'compiled_kernel', 'gemm_launcher',
+           'gemm_w4a4', 'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quantize_lora_down',
+           'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ register(KernelSpec("sm_90a", "v2", "int4_pg", "rs", smem.HopperPgConfig, "w4a4_
                     "v2's skeleton, exact-integer mainloop: weights decoded into INT8 wgmma's A registers (chapter 5b)"))
 register(KernelSpec("sm_90a", "v2", "int4_pg", "smem", smem.HopperPgSmemConfig, "w4a4_book.kernels.sm90_pg",
                     "W4A4GemmPgSmem", "the same, with a decode warpgroup and a decoded ring in shared memory (chapter 5b)"))
+register(KernelSpec("sm_100a", "v1", "nvfp4", "block_scaled", smem.Sm100V1Config, "w4a4_book.kernels.sm100_v1",
+                    "W4A4GemmSm100V1", "sm_100 v1 and the naive pair (--cta-group 2): tcgen05 block-scaled NVFP4 MMA "
+                    "(chapter 10a; compiled and checked, never run: opt-in, never a default)"))
 
 # the fastest verified kernel for each (arch, weight format): what `gemm_w4a4` and `W4A4Linear` use by default
 DEFAULTS = {("sm_90a", "int4"): ("v2", "promote"), ("sm_90a", "int4_pg"): ("v2", "rs")}
@@ -98,7 +102,8 @@ def default_config(fmt: str = "int4", arch: str = "sm_90a", problem=None):
     return cfg if problem is None else tile_choice(cfg, problem)
 
 # %% ../nbs/05a_gemm.ipynb #fdfc89b8
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.uint8: "uint8"}
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.uint8: "uint8",
+               torch.float8_e4m3fn: "float8_e4m3fn"}
 
 def problem_fields(p: Problem) -> dict:
     "The config fields that follow from problem `p`."
@@ -163,6 +168,10 @@ class CompileReport:
         pats = {"wgmma (int8)": r"wgmma\.mma_async\S*s32\.[su]8\.[su]8", "wgmma (16-bit)": r"wgmma\.mma_async\S*f32\.(?:bf16|f16)",
                 "TMA load": r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", "TMA store": r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta",
                 "mbarrier wait": r"mbarrier\.try_wait", "local memory": r"(?:ld|st)\.local"}
+        if self.arch.startswith("sm_100"):                 # the tcgen05 kernels: no wgmma, TMEM instead
+            pats = {"tcgen05.mma (block-scaled)": r"tcgen05\.mma\.cta_group::\d\.kind::mxf4nvf4\.block_scale",
+                    "tcgen05.mma (16-bit)": r"tcgen05\.mma\.cta_group::\d\.kind::f16", "tcgen05.alloc": r"tcgen05\.alloc\.",
+                    "tcgen05.dealloc": r"tcgen05\.dealloc\.", **{k: v for k, v in pats.items() if not k.startswith("wgmma")}}
         return {k: self.count(v) for k, v in pats.items()}
     def ptxas(self, ptxas=None):
         """Assemble the PTX with `ptxas -v` (when one is installed: CUDA's, or `$PTXAS`) and return its resource
@@ -186,6 +195,9 @@ class CompileReport:
     def __repr__(self):
         st = ", ".join(f"{k} {v}" for k, v in self.budget.stages.items() if v)
         lines = [f"{self.spec.name}: {self.smem_bytes} B shared memory ({st} stages), compiled in {self.seconds:.1f} s"]
+        if self.arch.startswith("sm_100"):
+            t = smem.sm100_tmem_columns(self.config)
+            lines.append(f"  TMEM columns: {t['total']} used (accumulator {t['acc']}, scales {t['sfa']} + {t['sfb']}), {t['alloc']} allocated")
         lines += [f"  {k:16s} {v}" for k, v in self.instructions.items()]
         return "\n".join(lines)
 
@@ -204,17 +216,34 @@ def compile_on_fakes(kernel, specs, arch: str = "sm_90a", dynamic_m: bool = Fals
         ptx = "".join(open(os.path.join(d, f), errors="replace").read() for f in os.listdir(d) if f.endswith(".ptx"))
     return ptx, secs
 
-SCALE_DTYPE = {"int4": torch.float16, "int4_pg": torch.uint8}   # the weights' scales of a format, for example problems
+SCALE_DTYPE = {"int4": torch.float16, "int4_pg": torch.uint8, "nvfp4": torch.float8_e4m3fn}   # the weights' scales of a format, for example problems
 
 def example_problem(spec: KernelSpec, M: int = 4352, N: int = 3072, K: int = 3840, R: int = 32) -> Problem:
     "A `Problem` of the shape given in the format kernel `spec` computes (its default element types): what `compile` builds."
     return Problem(M, N, K, R, scale_dtype=SCALE_DTYPE.get(spec.fmt, torch.float16), fmt=spec.fmt)
+
+def _compile_in_subprocess(config, p: Problem, arch: Optional[str]) -> CompileReport:
+    """`compile_kernel` in a fresh interpreter with `CUTE_DSL_ARCH=sm_90a`: CuTe DSL reads the variable once, at import,
+    and compiles PTX only (no driver) when `--gpu-arch` differs from it; an sm_100a compile on a machine without a
+    Blackwell GPU needs exactly that."""
+    import pickle, subprocess, sys, tempfile
+    code = ("import pickle, sys; from w4a4_book.gemm import compile_kernel; c, p, a = pickle.load(open(sys.argv[1], 'rb')); "
+            "pickle.dump(compile_kernel(c, p, a), open(sys.argv[2], 'wb'))")
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = os.path.join(d, "in.pkl"), os.path.join(d, "out.pkl")
+        pickle.dump((config, p, arch), open(src, "wb"))
+        r = subprocess.run([sys.executable, "-c", code, src, dst], capture_output=True, text=True,
+                           env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
+        if r.returncode: raise RuntimeError(f"sm_100a compile failed in its subprocess:\n{r.stderr[-4000:]}")
+        return pickle.load(open(dst, "rb"))
 
 def compile_kernel(config=None, problem: Optional[Problem] = None, arch: Optional[str] = None) -> CompileReport:
     "Compile the kernel of `config` (default: the default kernel's) for `problem` on fake tensors, with no GPU; return a `CompileReport`."
     config = config if config is not None else default_config()
     spec = spec_for(config)
     p = problem or example_problem(spec)
+    if (arch or spec.arch).startswith("sm_100") and os.environ.get("CUTE_DSL_ARCH") != "sm_90a":
+        return _compile_in_subprocess(config, p, arch)
     kernel, budget = build(config, p)
     ptx, secs = compile_on_fakes(kernel, kernel.arguments(p), arch or spec.arch, dynamic_m=not kernel.static_m)
     return CompileReport(spec, config, arch or spec.arch, p, budget, kernel.storage.size_in_bytes(), secs, ptx)
@@ -290,18 +319,29 @@ def compile_arguments(p):
     p.add_argument("--shape", nargs=4, type=int, default=[4352, 3072, 3840, 32], metavar=("M", "N", "K", "R"),
                    help="problem shape and LoRA rank (default: 4352 3072 3840 32)")
     p.add_argument("--cluster-n", type=int, default=1, help="CTAs per cluster along N: 1, or 2 for a CTA pair (default: 1)")
+    p.add_argument("--cta-group", type=int, default=1, choices=(1, 2),
+                   help="sm_100a kernels: 2 for one MMA spanning a CTA pair (cta_group::2) (default: 1)")
     p.add_argument("--stages", type=int, default=None, help="force the main stage count (default: as many as fit, by the solver)")
     p.add_argument("--lora-accounting", default="per_cta", choices=list(smem.LORA_ACCOUNTING),
                    help="how the LoRA blocks are charged: per_cta (the fix) or pair (the historical bug)")
     p.add_argument("--explain", action="store_true", help="also print the shared-memory budget table")
     p.add_argument("--ptx", default=None, metavar="FILE", help="write the generated PTX to FILE")
 
+def _shape_fields(spec, args) -> dict:
+    "The config fields `--cluster-n` and `--cta-group` set, for the kernels that have them; raises naming the option otherwise."
+    names = {f.name for f in fields(spec.config)}
+    if "cta_group" in names:
+        if args.cluster_n != 1: fail(ValueError, "--cluster-n", f"{spec.name} pairs CTAs with --cta-group, not --cluster-n")
+        return dict(cta_group=args.cta_group, tile_m=128 * args.cta_group)
+    if args.cta_group != 1: fail(ValueError, "--cta-group", f"{spec.name} has no CTA pair MMA (an sm_100a kernel has)")
+    return dict(cluster_n=args.cluster_n)
+
 def compile_command(args) -> int:
     "Compile on fake tensors and print the report (and the budget with `--explain`); a bad argument is one line on stderr and exit code 2."
     import sys
     try:
         spec = find_kernel(args.kernel, args.fmt, args.arch, args.mainloop)
-        config = spec.config(cluster_n=args.cluster_n, stages=args.stages, lora_accounting=args.lora_accounting)
+        config = spec.config(stages=args.stages, lora_accounting=args.lora_accounting, **_shape_fields(spec, args))
         rep = compile_kernel(config, example_problem(spec, *args.shape))
     except (ValueError, TypeError) as e:
         print(f"w4a4-book compile: error: {e}", file=sys.stderr)
@@ -322,9 +362,12 @@ def sm_count(device_index) -> int:
         _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
     return _sm_counts[device_index]
 
-def k_splits(m_tiles: int, k_blocks: int, num_sms: int) -> int:
-    "Shares of K per row tile: the fewest that divide `k_blocks` and give at least two CTAs per SM (or all of K)."
-    want = -(-2 * num_sms // m_tiles)
+ACT_CTAS_PER_SM = 2      # the activation kernel's grid: at least this many CTAs per SM (`k_splits`)
+
+def k_splits(m_tiles: int, k_blocks: int, num_sms: int, ctas_per_sm: int = ACT_CTAS_PER_SM) -> int:
+    "Shares of K per row tile: the fewest that divide `k_blocks` and give at least `ctas_per_sm` CTAs per SM (or all of K)."
+    if not isinstance(ctas_per_sm, int) or ctas_per_sm < 1: fail(ValueError, "ctas_per_sm", f"must be an int >= 1, got {ctas_per_sm!r}")
+    want = -(-ctas_per_sm * num_sms // m_tiles)
     return next((d for d in range(want, k_blocks + 1) if k_blocks % d == 0), k_blocks) if want > 1 else 1
 
 # %% ../nbs/05a_gemm.ipynb #67ac19dc
@@ -337,8 +380,8 @@ def _launch_quant(key, make, args, dev):
 
 ACTIVATION_FORMATS = ("int4", "int4_pg", "int8")   # what the fused activation kernel can write
 
-def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=4):
-    """`(quantize(x / smooth, fmt), x @ lora_down_tᵀ)` on an sm_90 GPU; the second item is None without `lora_down_t`.
+def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=4, ctas_per_sm=ACT_CTAS_PER_SM):
+    """`(quantize(x * (1/smooth), fmt), x @ lora_down_tᵀ)` on an sm_90 GPU; the second item is None without `lora_down_t`.
     `x` `[M, K]` and the others in bf16 or fp16, `lora_down_t` `[R, K]`. int4 (scales in `x`'s dtype) is one kernel;
     int4_pg and int8 (activations as int8, a float32 `base` per row) are two passes over `x`: the row maxima (with the
     LoRA product), then the codes."""
@@ -346,9 +389,10 @@ def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=4
     if fmt not in ACTIVATION_FORMATS: fail(ValueError, "fmt", f"{fmt!r}: the activation kernel writes one of {ACTIVATION_FORMATS}")
     M, K, R = operands.check_quant_inputs(x, smooth, lora_down_t, group_size=G, max_rank=MAX_RANK)
     dev = x.device
-    ks = k_splits(-(-M // QuantLoraDown.tile_m), K // G, sm_count(dev.index))
+    ks = k_splits(-(-M // QuantLoraDown.tile_m), K // G, sm_count(dev.index), ctas_per_sm)
     partial = torch.empty(ks, M, max(R, 16), dtype=torch.float32, device=dev)
-    sm = smooth if smooth is not None else x.new_ones(K)
+    # the kernel multiplies by the correctly rounded reciprocal, as `quantize`'s rules do (chapter 1)
+    sm = reciprocal(smooth.float()) if smooth is not None else x.new_ones(K, dtype=torch.float32)
     ldt = lora_down_t if lora_down_t is not None else x.new_zeros(16, K)
     sig = (M, K, R, x.dtype, smooth is not None, stages, ks, dev.index)   # the kernels are specialised on shapes
     if fmt == "int4":
@@ -366,7 +410,7 @@ def _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, has_smooth):
     from w4a4_book.kernels.sm90_quant import QuantLoraDown
     from w4a4_book.formats import INT4_MAX, INT8_MAX, PG_U_MAX
     M, K, R, ks, dev = x.shape[0], x.shape[1], sig[2], sig[6], x.device
-    rowmax = torch.zeros(M, dtype=torch.int32, device=dev)                 # bits of max |x / smooth|, raised by red.max
+    rowmax = torch.zeros(M, dtype=torch.int32, device=dev)                 # bits of max |x * (1/smooth)|, raised by red.max
     codes = torch.empty(M, K, dtype=torch.int8, device=dev)
     _launch_quant(("rowmax", *sig), lambda: QuantLoraDown(R, stages, has_smooth, ks, mode="pg_rowmax"),
                   to_cute([x, sm, ldt, codes.view(torch.int32), rowmax, partial]), dev)
@@ -376,7 +420,7 @@ def _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, has_smooth):
     mode = "pg_quant" if fmt == "int4_pg" else "int8_quant"
     _launch_quant((mode, *sig), lambda: QuantLoraDown(0, stages, has_smooth, ks, mode=mode),
                   to_cute([x, sm, ldt[:16], codes.view(torch.int32), base, partial]), dev)
-    return QTensor(codes, None, fmt, base=base)
+    return QTensor.trusted(codes, None, fmt, base=base)      # the kernel's codes are checked by its tests, not per call
 
 def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mode="int4"):
     "PTX and shared-memory bytes of the activation kernel (one `mode` of it) compiled for sm_90a on fake tensors (no GPU needed)."
@@ -388,7 +432,7 @@ def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mo
     codes = ArgSpec("codes", cutlass.Int32, (M, K // 8 if mode == "int4" else K // 4), (1, 0))
     aux = {"int4": ArgSpec("scales", dt, (K // G, M), (1, 0)), "pg_rowmax": ArgSpec("rowmax", cutlass.Int32, (M,))}.get(
         mode, ArgSpec("base", cutlass.Float32, (M,)))
-    specs = [ArgSpec("x", dt, (M, K), (1, 0)), ArgSpec("smooth", dt, (K,)), ArgSpec("lora_down_t", dt, (max(R, 16), K), (1, 0)),
+    specs = [ArgSpec("x", dt, (M, K), (1, 0)), ArgSpec("recip_smooth", cutlass.Float32, (K,)), ArgSpec("lora_down_t", dt, (max(R, 16), K), (1, 0)),
              codes, aux, ArgSpec("lora", cutlass.Float32, (k_splits, M, max(R, 16)), (2, 1, 0))]
     k = QuantLoraDown(R, 4, smooth, k_splits, mode=mode)
     ptx, _ = compile_on_fakes(k, specs)

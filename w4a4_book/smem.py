@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALIGN', 'SWIZZLE_128B_ALIGN', 'DTYPE_BITS',
            'STAGE_KINDS', 'LORA_ACCOUNTING', 'GROUP_SIZE', 'PG_GROUP', 'SM100_EPI_TILE', 'PROMOTIONS', 'ABLATIONS',
-           'FAMILIES', 'CONFIGS', 'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig',
-           'hopper_v1_terms', 'HopperV2Config', 'hopper_v2_terms', 'HopperPgConfig', 'hopper_pg_terms',
-           'HopperPgSmemConfig', 'hopper_pg_smem_terms', 'blackwell_orig_terms', 'Family', 'check_config', 'Budget',
-           'solve', 'explain']
+           'FAMILIES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS', 'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config',
+           'BlackwellOrigConfig', 'hopper_v1_terms', 'HopperV2Config', 'hopper_v2_terms', 'HopperPgConfig',
+           'hopper_pg_terms', 'HopperPgSmemConfig', 'hopper_pg_smem_terms', 'blackwell_orig_terms', 'Family',
+           'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms', 'check_config', 'Budget', 'solve', 'explain']
 
 # %% ../nbs/03_smem.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -392,6 +392,53 @@ FAMILIES = {
     BlackwellOrigConfig: Family(blackwell_orig_terms, _check_blackwell_orig, archs=("sm_100",), fmt="nvfp4", fill="epi",
                                 given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
 }
+
+# %% ../nbs/03_smem.ipynb #d4f9c8f5
+@dataclass(frozen=True)
+class Sm100V1Config(BlackwellOrigConfig):
+    """sm_100 v1 and the naive pair: the original's layout (`blackwell_orig_terms`) as a kernel's real budget; NVFP4
+    block-scaled `tcgen05` MMA, bf16 LoRA blocks pre-scaled by `1/(gs_a·gs_w)`, a fixed epilogue ring."""
+    tile_m: int = 128               # MMA M: 128 rows per CTA, times cta_group
+    tile_n: int = 256               # MMA N: the tile's columns, split over the pair when cta_group=2
+    cta_group: int = 1              # 2: the naive pair, one MMA spanning two CTAs
+    epi_stages: int = 2             # fixed: the kernel's TMA-store ring (no fill)
+    out_dtype: str = "bfloat16"
+    lora_dtype: str = "bfloat16"    # bf16 only: the pre-scaled LoRA up-projection needs bf16's range
+    scale_dtype: str = "float8_e4m3fn"
+    family: ClassVar[str] = "sm100_v1"
+    kernel: ClassVar[str] = "v1"
+    mainloop: ClassVar[str] = "block_scaled"
+
+TMEM_COLUMNS = 512          # tensor memory per SM: 128 lanes x 512 32-bit columns
+SF_ATOM_MN = 32             # a scale-factor atom's rows per TMEM column group (tcgen05.cp 4x32x128b)
+
+def sm100_tmem_columns(cfg) -> dict:
+    "TMEM columns of one CTA: fp32 accumulator(s), then SFA and SFB of one K-block; `alloc` is the power of two allocated."
+    bm, k_atoms = cfg.tile_m // cfg.cta_group, cfg.tile_k // (4 * GROUP_SIZE[cfg.fmt])
+    cols = dict(acc=cfg.tile_n * getattr(cfg, "acc_stages", 1), sfa=bm // SF_ATOM_MN * k_atoms,
+                sfb=_round_up(cfg.tile_n, 128) // SF_ATOM_MN * k_atoms)
+    cols["total"] = sum(cols.values())
+    cols["alloc"] = next(c for c in (32, 64, 128, 256, 512, 1 << 30) if c >= cols["total"])
+    return cols
+
+def sm100_terms(cfg: Sm100V1Config, stages: dict, accounting: str) -> list:
+    "The sm_100 kernels' SharedStorage: the original's layout, with the LoRA blocks in `cfg.lora_dtype`."
+    lora = ("lora_act", "lora_up")
+    return [replace(t, dtype=cfg.lora_dtype) if t.name in lora else t for t in blackwell_orig_terms(cfg, stages, accounting)]
+
+def _check_sm100(cfg):
+    _check_blackwell_orig(cfg)
+    if cfg.lora_rank:
+        _choice(cfg, "lora_dtype", ("bfloat16",), "the LoRA up-projection is pre-scaled by 1/(gs_a*gs_w), out of fp16's range")
+    _choice(cfg, "scale_dtype", ("float8_e4m3fn",), "NVFP4's block scales")
+    _int(cfg, "epi_stages", 1, 4)
+    _int(cfg, "lora_stages", 1, 1, why="the LoRA blocks are loaded once per tile")
+    cols = sm100_tmem_columns(cfg)
+    if cols["alloc"] > TMEM_COLUMNS:
+        raise ValueError(f"tile_n={cfg.tile_n}: needs {cols['total']} TMEM columns > {TMEM_COLUMNS}")
+
+FAMILIES[Sm100V1Config] = Family(sm100_terms, _check_sm100, archs=("sm_100",), fmt="nvfp4",
+                                 given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages))
 
 # %% ../nbs/03_smem.ipynb #dc89eb3d
 def check_config(cfg) -> None:

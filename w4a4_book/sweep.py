@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['SWEEP_PROBLEMS', 'SWEEP_CONFIGS', 'max_stages', 'solver_marks', 'sweep_stages', 'curve_key', 'curves', 'curve_config',
-           'sweep_marks', 'sweep_summary', 'sweep_table', 'plot_sweep', 'recorded_report', 'add_arguments', 'run']
+           'curve_label', 'sweep_marks', 'sweep_summary', 'sweep_table', 'plot_sweep', 'recorded_report',
+           'add_arguments', 'run']
 
 # %% ../nbs/07_pipeline_depth.ipynb #10e2766a
 import argparse
@@ -32,26 +33,32 @@ def solver_marks(config, problem: Problem) -> dict:
 # %% ../nbs/07_pipeline_depth.ipynb #86b950c8
 def sweep_stages(configs=SWEEP_CONFIGS, problems=SWEEP_PROBLEMS, *, iters=20, warmup=3, quiet=False):
     """Time the kernel of each config on each `(M, N, K, R)` at every main stage count from 1 to the most that fit; one
-    row per point, keyed as `curve_key` reads it (`version`: the kernel's registry name)."""
+    row per point, keyed as `curve_key` reads it (`version`: the kernel's registry name). A kernel with a choice of
+    tile takes the one the library picks for the problem (`gemm.tile_choice`)."""
     import torch
     gpu = torch.cuda.get_device_name()
     rows = []
     for M, N, K, R in problems:
-        w = workloads.make_workload(M, N, K, R)
+        loads = {}
         for config in configs:
-            v, cn = gemm.spec_for(config).kernel, gemm.cluster_size(config)
+            spec = gemm.spec_for(config)
+            if spec.fmt not in loads: loads[spec.fmt] = workloads.make_workload(M, N, K, R, fmt=spec.fmt)
+            w = loads[spec.fmt]
+            config = gemm.tile_choice(config, w.problem)
+            v, cn, tm = spec.kernel, gemm.cluster_size(config), config.tile_m
             for s in range(1, max_stages(config, w.problem) + 1):
                 launch, _ = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=replace(config, stages=s))
                 t = timing.time_cuda(launch, warmup=warmup, iters=iters)
                 tf = timing.tflops(M, N, K, t["median_ms"])
-                rows.append(dict(version=v, M=M, N=N, K=K, R=R, cluster_n=cn, stages=s, **t, tflops=tf, mfu=timing.mfu(tf, gpu)))
-                if not quiet: print(f"{v} {M}x{N}x{K} R={R} cluster_n={cn} stages={s}: {tf:.0f} TFLOP/s", flush=True)
+                rows.append(dict(version=v, fmt=spec.fmt, tile_m=tm, M=M, N=N, K=K, R=R, cluster_n=cn, stages=s, **t, tflops=tf,
+                                 mfu=timing.mfu(tf, gpu)))
+                if not quiet: print(f"{v} {spec.fmt} tile {tm} {M}x{N}x{K} R={R} cluster_n={cn} stages={s}: {tf:.0f} TFLOP/s", flush=True)
     return rows
 
 # %% ../nbs/07_pipeline_depth.ipynb #411657ed
 def curve_key(row):
-    "The curve a sweep row belongs to: `(version, M, N, K, R, cluster_n)`."
-    return (row["version"], row["M"], row["N"], row["K"], row["R"], row["cluster_n"])
+    "The curve a sweep row belongs to: `(version, M, N, K, R, cluster_n, fmt, tile_m)` (rows recorded before int4_pg: int4, the config's tile)."
+    return (row["version"], row["M"], row["N"], row["K"], row["R"], row["cluster_n"], row.get("fmt", "int4"), row.get("tile_m"))
 
 def curves(rows):
     "Each curve of `rows` as `{key: {stages: row}}`, keys in first-seen order."
@@ -63,8 +70,13 @@ def curves(rows):
     return out
 
 def curve_config(key):
-    "The config of the kernel a curve `key` was measured with: the registry's kernel `key[0]` with `key[5]` CTAs per cluster."
-    return gemm.find_kernel(key[0]).config(cluster_n=key[5])
+    "The config of the kernel a curve `key` was measured with: the registry's kernel `key[0]` for format `key[6]`, `key[5]` CTAs, tile `key[7]`."
+    config = gemm.find_kernel(key[0], key[6]).config(cluster_n=key[5])
+    return config if key[7] is None else replace(config, tile_m=key[7])
+
+def curve_label(key) -> str:
+    "A curve's kernel in tables and legends: `v2, 2 CTA`, with the format and tile for any format but int4."
+    return f"{key[0]}, {key[5]} CTA" + ("" if key[6] == "int4" else f", {key[6]} tile {key[7]}")
 
 def sweep_marks(rows, cluster_n=2):
     "The solver's picks under each mode for every curve of `rows` with `cluster_n` CTAs: `plot_sweep`'s `marks`."
@@ -74,10 +86,11 @@ def sweep_marks(rows, cluster_n=2):
 def sweep_summary(rows):
     "Per curve: TFLOP/s by stage count, the best, what one stage keeps of it, and the spread from 2 stages up."
     out = []
-    for (v, M, N, K, R, cn), c in curves(rows).items():
+    for key, c in curves(rows).items():
+        v, M, N, K, R, cn = key[:6]
         tf = {s: c[s]["tflops"] for s in sorted(c)}
         deep = [x for s, x in tf.items() if s >= 2]
-        out.append(dict(version=v, cluster_n=cn, M=M, N=N, K=K, R=R, tflops=tf, best=max(tf.values()),
+        out.append(dict(version=v, label=curve_label(key), cluster_n=cn, M=M, N=N, K=K, R=R, tflops=tf, best=max(tf.values()),
                         one_over_best=tf[1] / max(tf.values()) if 1 in tf else None,
                         spread_from_2=max(deep) / min(deep) if deep else None))
     return out
@@ -88,7 +101,7 @@ def sweep_table(rows) -> str:
     depth = max(max(s["tflops"]) for s in summary)
     pct = lambda x: "" if x is None else f"{x:.1%}"
     return records.markdown_table([
-        {"kernel": f"{s['version']}, {s['cluster_n']} CTA", "M×N×K": f"{s['M']}×{s['N']}×{s['K']}", "R": s["R"],
+        {"kernel": s["label"], "M×N×K": f"{s['M']}×{s['N']}×{s['K']}", "R": s["R"],
          **{f"S={d}": round(s["tflops"][d]) if d in s["tflops"] else None for d in range(1, depth + 1)},
          "S=1 / best": pct(s["one_over_best"]), "spread S≥2": pct(None if s["spread_from_2"] is None else s["spread_from_2"] - 1)}
         for s in summary])
@@ -102,14 +115,14 @@ def plot_sweep(rows, marks=None, path=None, title=None):
     from matplotlib.figure import Figure
     cs = curves(rows)
     problems = list(dict.fromkeys(k[1:5] for k in cs))
-    kernels = sorted({(k[0], k[5]) for k in cs})
+    kernels = sorted({curve_label(k) for k in cs})
     fig = Figure(figsize=(4.6 * len(problems), 3.4), dpi=90)
     axs = fig.subplots(1, len(problems), squeeze=False)[0]
     for ax, prob in zip(axs, problems):
         for key in (k for k in cs if k[1:5] == prob):
             pts = {s: 100 * r["mfu"] for s, r in sorted(cs[key].items())}
-            color = _LINE_COLORS[kernels.index((key[0], key[5])) % len(_LINE_COLORS)]
-            ax.plot(list(pts), list(pts.values()), marker="o", ms=3, color=color, label=f"{key[0]}, {key[5]} CTA")
+            color = _LINE_COLORS[kernels.index(curve_label(key)) % len(_LINE_COLORS)]
+            ax.plot(list(pts), list(pts.values()), marker="o", ms=3, color=color, label=curve_label(key))
             picked = {}
             for mode, s in (marks or {}).get(key, {}).items(): picked.setdefault(s, []).append(mode)
             for s, modes in picked.items():
@@ -136,7 +149,9 @@ def recorded_report() -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     "Options of `w4a4-book sweep-stages`."
     kernels = sorted({s.kernel for s in gemm.REGISTRY.values()})
-    p.add_argument("--versions", nargs="+", default=kernels, choices=kernels, help="kernels to sweep, by registry name (default: all)")
+    p.add_argument("--versions", nargs="+", default=None, choices=kernels, help="kernels to sweep, by registry name (default: every one computing --fmt)")
+    p.add_argument("--fmt", default="int4", choices=sorted({s.fmt for s in gemm.REGISTRY.values()}),
+                   help="the weights' format; int4_pg sweeps the exact-integer mainloop (default: int4)")
     p.add_argument("--cluster-n", type=int, default=1, help="CTAs per cluster (default 1; 2: a pair along N)")
     p.add_argument("--iters", type=int, default=20, help="timed runs per point, median reported (default: 20)")
     p.add_argument("--out", default=None, help="JSON record to write (default: nbs/data/sweep_stages_<gpu>_c<n>.json)")
@@ -144,7 +159,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     "Sweep on an sm_90 GPU and save JSON + PNG; elsewhere print the recorded sweeps. A bad option is one line on stderr, exit code 2."
     try:
-        configs = [gemm.find_kernel(v).config(cluster_n=args.cluster_n) for v in args.versions]
+        versions = args.versions or sorted({s.kernel for s in gemm.REGISTRY.values() if s.fmt == args.fmt and s.arch == "sm_90a"})
+        configs = [gemm.find_kernel(v, args.fmt).config(cluster_n=args.cluster_n) for v in versions]
         for c in configs: smem.check_config(c)
     except (ValueError, TypeError) as e:
         print(f"w4a4-book sweep-stages: error: {e}", file=sys.stderr)
@@ -158,8 +174,10 @@ def run(args) -> int:
     import torch
     rows = sweep_stages(configs, iters=args.iters)
     gpu = torch.cuda.get_device_name()
-    path = Path(args.out or records.data_dir() / f"sweep_stages_{gpu.split()[-1].lower()}_c{args.cluster_n}.json")
-    command = f"w4a4-book sweep-stages --versions {' '.join(args.versions)} --cluster-n {args.cluster_n} --iters {args.iters}"
+    fmt = "" if args.fmt == "int4" else f"_{args.fmt}"
+    path = Path(args.out or records.data_dir() / f"sweep_stages_{gpu.split()[-1].lower()}{fmt}_c{args.cluster_n}.json")
+    command = (f"w4a4-book sweep-stages --versions {' '.join(versions)}" + (f" --fmt {args.fmt}" if fmt else "")
+               + f" --cluster-n {args.cluster_n} --iters {args.iters}")
     records.save_record(path, records.provenance(command, [list(p) for p in SWEEP_PROBLEMS]), rows)
     plot_sweep(rows, sweep_marks(rows), path.with_suffix(".png"), title=f"{gpu}: main stages against MFU")
     print(sweep_table(rows))

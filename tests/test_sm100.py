@@ -1,0 +1,214 @@
+"""The sm_100 kernels (chapter 10a), checked without a Blackwell GPU: the host scale-factor layout, the host emulation
+of the kernels' arithmetic against the reference, the solver family, compiles for sm_100a (PTX, shared memory,
+ptxas) and named errors. The tests marked `sm100` run the kernels on a compute-capability-10 GPU (`pytest -m sm100`)
+and are skipped everywhere else: none has run yet."""
+import itertools
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import w4a4_book.gemm as gemm
+import w4a4_book.smem as smem
+from w4a4_book.formats import quantize
+from w4a4_book.operands import Problem, check_problem
+from w4a4_book.reference import w4a4_gemm_ref
+
+sm100 = pytest.importorskip("w4a4_book.kernels.sm100_v1")
+
+
+def _cfg(cta_group=1, **kw):
+    return smem.Sm100V1Config(cta_group=cta_group, tile_m=128 * cta_group, **kw)
+
+
+def _operands(M, N, K, R, seed=0, wcs=True, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    A = quantize(torch.randn(M, K, generator=g), "nvfp4")
+    W = quantize(torch.randn(N, K, generator=g) * 0.05, "nvfp4")
+    la = (torch.randn(M, R, generator=g) * 0.5).bfloat16() if R else None
+    lu = (torch.randn(N, R, generator=g) * 0.1).bfloat16() if R else None
+    s = (torch.rand(N, generator=g) + 0.5).bfloat16() if wcs else None
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    return A, W, la, lu, s, b
+
+
+# ---------------------------------------------------------------- host parts
+@pytest.mark.parametrize("rows, groups", [(128, 4), (200, 20), (64, 240), (1, 1)])
+def test_scale_layout_round_trip_and_offsets(rows, groups):
+    s = (torch.rand(groups, rows) * 100).to(torch.float8_e4m3fn)
+    buf = sm100.to_mma_scales(s)
+    assert buf.dtype == torch.uint8 and buf.numel() == sm100.mma_scales_size(rows, groups)
+    assert torch.equal(sm100.from_mma_scales(buf, rows, groups).view(torch.uint8), s.view(torch.uint8))
+    su = s.view(torch.uint8)
+    for m, g in itertools.product(range(rows), range(groups)):
+        assert buf[sm100.mma_scale_offset(m, g, groups)] == su[g, m]
+    assert buf.numel() - rows * groups == (buf == 0).sum() - (su == 0).sum()   # the padding is zero scales
+
+
+def test_scale_layout_rejects_other_dtypes():
+    with pytest.raises(TypeError, match="^scales:"):
+        sm100.to_mma_scales(torch.ones(4, 128))
+
+
+EMULATION_GRID = [(64, 256, 256, 0), (200, 256, 512, 32), (128, 512, 1024, 128), (256, 256, 768, 16),
+                  (130, 512, 512, 64)]
+
+
+@pytest.mark.parametrize("M, N, K, R", EMULATION_GRID)
+def test_emulation_matches_reference(M, N, K, R):
+    "The kernels' arithmetic, emulated: within fp32 reordering of the reference, plus 2^-8 of the LoRA term (its bf16 pre-scale)."
+    A, W, la, lu, s, b = _operands(M, N, K, R)
+    ref = w4a4_gemm_ref(A, W, la, lu, s, b)
+    emu = sm100.emulate_sm100(A, W, la, lu, s, b, out_dtype=torch.float32)
+    lora = (la.float().abs() @ lu.float().abs().T * s.float()).max().item() if R else 0.0
+    assert (emu - ref).abs().max().item() <= 2**-8 * lora + 1e-5 * ref.abs().max().item()
+    out = sm100.emulate_sm100(A, W, la, lu, s, b)            # the kernel's bf16 output: one more rounding
+    torch.testing.assert_close(out.float(), emu, rtol=2**-8, atol=1e-6)
+
+
+def test_lora_prescale_needs_bfloat16():
+    "The choice the kernels make: 1/(gs_a*gs_w) is out of fp16's range for unit-scale data, inside bf16's."
+    A, W, *_ = _operands(64, 256, 256, 0)
+    gs = (A.global_scale * W.global_scale).reshape(1)
+    assert torch.isinf((1 / gs).half()).all() and torch.isfinite(sm100.lora_up_prescaled(torch.ones(8, 16), gs)).all()
+
+
+def test_lora_steps_spread_over_k():
+    for steps, k_tiles in [(2, 15), (8, 15), (8, 3), (1, 1)]:
+        at = [sm100.lora_step_at(j, steps, k_tiles) for j in range(steps)]
+        assert at == sorted(at) and 0 <= at[0] and at[-1] < k_tiles
+
+
+# ---------------------------------------------------------------- the solver family
+def test_pair_loses_the_stages_the_solver_says():
+    for R, per_cta, pair in [(32, 5, 4), (128, 3, 2)]:
+        b = {a: smem.solve(_cfg(2, lora_rank=R, lora_accounting=a)) for a in smem.LORA_ACCOUNTING}
+        assert (b["per_cta"].stages["main"], b["pair"].stages["main"]) == (per_cta, pair)
+        assert b["per_cta"].total == b["per_cta"].allocated and b["pair"].total > b["pair"].allocated
+
+
+def test_config_errors_name_the_field():
+    for kw, field in [(dict(lora_rank=32, lora_dtype="float16"), "lora_dtype"), (dict(tile_n=192), "tile_n"),
+                      (dict(arch="sm_90"), "arch"), (dict(lora_stages=2, lora_rank=32), "lora_stages")]:
+        with pytest.raises(ValueError, match=f"{field}="):
+            smem.check_config(_cfg(**kw))
+    with pytest.raises(ValueError, match="tile_m=128"):
+        smem.check_config(smem.Sm100V1Config(cta_group=2))
+
+
+# ---------------------------------------------------------------- compiled for sm_100a, in a subprocess
+COMPILES = [(1, 32, "per_cta"), (1, 0, "per_cta"), (2, 32, "per_cta"), (2, 32, "pair"), (2, 128, "pair")]
+
+
+@pytest.fixture(scope="module")
+def reports():
+    "One subprocess (CUTE_DSL_ARCH=sm_90a) compiles every config of `COMPILES` for sm_100a on fake tensors."
+    import os, pickle, tempfile
+    code = ("import pickle, sys; import w4a4_book.gemm as g, w4a4_book.smem as s; out = {}\n"
+            "for cg, R, a in pickle.load(open(sys.argv[1], 'rb')):\n"
+            "    c = s.Sm100V1Config(cta_group=cg, tile_m=128 * cg, lora_accounting=a)\n"
+            "    out[cg, R, a] = g.compile_kernel(c, g.example_problem(g.spec_for(c), 4352, 3072, 3840, R))\n"
+            "pickle.dump(out, open(sys.argv[2], 'wb'))")
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = os.path.join(d, "in.pkl"), os.path.join(d, "out.pkl")
+        pickle.dump(COMPILES, open(src, "wb"))
+        r = subprocess.run([sys.executable, "-c", code, src, dst], capture_output=True, text=True,
+                           env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
+        assert r.returncode == 0, r.stderr[-4000:]
+        return pickle.load(open(dst, "rb"))
+
+
+@pytest.mark.parametrize("cg, R, acct", COMPILES)
+def test_compiled_storage_equals_solver(reports, cg, R, acct):
+    rep = reports[cg, R, acct]
+    want = smem.solve(gemm.bind(_cfg(cg, lora_accounting=acct), rep.problem), k=rep.problem.K)
+    assert rep.smem_bytes == want.allocated == rep.budget.allocated
+    assert rep.budget.stages == want.stages
+    if acct == "per_cta": assert want.total == want.allocated
+
+
+@pytest.mark.parametrize("cg, R, acct", COMPILES)
+def test_ptx(reports, cg, R, acct):
+    rep = reports[cg, R, acct]
+    ins = rep.instructions
+    assert rep.count(rf"tcgen05\.mma\.cta_group::{cg}\.kind::mxf4nvf4\.block_scale") == 4   # one K-tile: 4 x 64 deep
+    assert rep.count(r"tcgen05\.mma\.cta_group::\d") == 4 + R // 16                     # + the LoRA steps, unrolled
+    assert ins["tcgen05.alloc"] == ins["tcgen05.dealloc"] == 1
+    assert rep.count(rf"tcgen05\.alloc\.cta_group::{cg}\.") == 1
+    assert ins["local memory"] == 0 and ins["TMA store"] > 0
+    assert rep.count(r"\.target sm_100a") == 1
+    if cg == 2:
+        assert rep.count(r"tcgen05\.commit\.cta_group::2\.\S*multicast::cluster") > 0   # the leader frees both CTAs
+        assert rep.count(r"cp\.async\.bulk\.tensor\.\S*multicast::cluster\S*cta_group::2") > 0
+
+
+@pytest.mark.parametrize("cg, R, acct", COMPILES[:3])
+def test_ptxas_where_available(reports, cg, R, acct):
+    res = reports[cg, R, acct].ptxas()
+    if res is None:
+        pytest.skip("no ptxas on this machine")
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0
+
+
+def test_cli_compiles_the_pair(tmp_path):
+    ptx = tmp_path / "k.ptx"
+    main = "import sys; from w4a4_book.cli import main; sys.exit(main(sys.argv[1:]))"
+    r = subprocess.run([sys.executable, "-c", main, "compile", "v1", "--arch", "sm_100a", "--fmt", "nvfp4",
+                        "--cta-group", "2", "--ptx", str(ptx)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TMEM columns" in r.stdout and "tcgen05.mma (block-scaled)" in r.stdout
+    assert "cta_group::2" in ptx.read_text(errors="replace")
+
+
+# ---------------------------------------------------------------- bad input, before any launch
+def test_bad_input_names_the_argument():
+    req = sm100.W4A4GemmSm100V1.requirements(_cfg())
+    nv = dict(scale_dtype=torch.float8_e4m3fn, fmt="nvfp4")
+    with pytest.raises(ValueError, match="^act: K=320"):
+        check_problem(req, Problem(256, 256, 320, 0, **nv))
+    with pytest.raises(ValueError, match="^wgt: N=384"):
+        check_problem(req, Problem(256, 384, 512, 0, **nv))
+    with pytest.raises(ValueError, match="^act: format 'int4'"):
+        check_problem(req, Problem(256, 256, 512, 0))
+    with pytest.raises(TypeError, match="^lora_act"):
+        check_problem(req, Problem(256, 256, 512, 32, lora_dtype=torch.float16, **nv))
+    with pytest.raises(ValueError, match="^fmt"):
+        gemm.find_kernel("v1", "int4_pg", "sm_100a")
+    with pytest.raises(ValueError, match="^fmt"):
+        gemm.find_kernel("v1", "nvfp4", "sm_90a")
+    assert req.capability == (10, 0)
+
+
+def test_not_a_default():
+    assert all(arch != "sm_100a" for arch, _ in gemm.DEFAULTS)
+    with pytest.raises(ValueError, match="^fmt"):
+        gemm.default_config("nvfp4")
+
+
+def test_cpu_tensors_rejected_before_launch():
+    A, W, la, lu, s, b = _operands(256, 256, 512, 32)
+    with pytest.raises(ValueError, match="^act: must be on a CUDA device"):
+        gemm.gemm_w4a4(A, W, la, lu, s, b, config=_cfg())
+
+
+# ---------------------------------------------------------------- on a B200 (compute capability 10): never run yet
+def _is_sm100():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+
+
+B200_GRID = [(1, 256, 256, 512, 0), (1, 300, 512, 1024, 32), (2, 512, 512, 768, 128), (2, 200, 256, 512, 16)]
+
+
+@pytest.mark.sm100
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_sm100(), reason="needs a compute-capability-10 GPU (B200, GB200)")
+@pytest.mark.parametrize("cg, M, N, K, R", B200_GRID)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference_on_b200(cg, M, N, K, R, out_dtype):
+    A, W, la, lu, s, b = (t.cuda() if t is not None else None for t in _operands(M, N, K, R))
+    out = gemm.gemm_w4a4(A, W, la, lu, s, b, out_dtype=out_dtype, config=_cfg(cg))
+    cpu = lambda t: t.cpu() if t is not None else None
+    emu = sm100.emulate_sm100(A.to("cpu"), W.to("cpu"), cpu(la), cpu(lu), cpu(s), cpu(b), out_dtype=out_dtype)
+    ref = w4a4_gemm_ref(A.to("cpu"), W.to("cpu"), cpu(la), cpu(lu), cpu(s), cpu(b))
+    torch.testing.assert_close(out.cpu().float(), emu.float(), rtol=2**-7, atol=1e-3 * ref.abs().max().item())
