@@ -840,3 +840,12 @@ def test_time_cuda_graph_replays_the_work():
     torch.testing.assert_close(y, x @ x)
     with pytest.raises(RuntimeError):
         timing.cuda_graph(lambda: x.sum().item())
+
+
+def test_bench_layer_grid_needs_activation():
+    "`--grid` sweeps the activation kernel's launch grid; on the layer benchmark it is refused, naming the option."
+    from w4a4_book.bench import layer
+    p = argparse.ArgumentParser(); layer.add_arguments(p)
+    with pytest.raises(ValueError, match="--grid"):
+        layer.run(p.parse_args(["--grid"]))
+    assert layer.ACTIVATION_GRID[0] == (2, 2) and (gemm.ACT_CTAS_PER_SM, gemm.ACT_STAGES) in layer.ACTIVATION_GRID

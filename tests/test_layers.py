@@ -203,12 +203,14 @@ def test_dispatch_to_sm90_kernel(monkeypatch, version):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="needs an sm_90 GPU")
-def test_sm90_backend_matches_reference():
+@pytest.mark.parametrize("fmt, backend", [(None, "sm90-v2-rs"), ("int4", "sm90-v2-promote")])
+def test_sm90_backend_matches_reference(fmt, backend):
+    "The default format (int4_pg) and int4 each run their format's default kernel, close to the reference path."
     lin, calib, x = outlier_problem(K=1024, N=512, tokens=256)
-    layer = W4A4Linear.from_linear(lin.cuda(), rank=32, act_sample=calib.cuda())
+    layer = W4A4Linear.from_linear(lin.cuda(), rank=32, act_sample=calib.cuda(), **({} if fmt is None else dict(fmt=fmt)))
     x = x.cuda().bfloat16()
     y = layer(x)
-    assert layer.last_backend == "sm90-v2-promote"
+    assert layer.last_backend == backend
     layer.backend = "reference"
     ref = layer(x)
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2

@@ -21,7 +21,7 @@ from .operands import Problem, fail
 
 # %% auto #0
 __all__ = ['REGISTRY', 'DEFAULTS', 'MIN_STAGES', 'TILE_CHOICES', 'DEFAULT_NUM_SMS', 'SCALE_DTYPE', 'ACT_CTAS_PER_SM',
-           'ACTIVATION_FORMATS', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config',
+           'ACT_STAGES', 'ACTIVATION_FORMATS', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config',
            'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport',
            'compile_on_fakes', 'example_problem', 'compile_kernel', 'to_cute', 'compiled_kernel', 'gemm_launcher',
            'gemm_w4a4', 'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quantize_lora_down',
@@ -362,7 +362,8 @@ def sm_count(device_index) -> int:
         _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
     return _sm_counts[device_index]
 
-ACT_CTAS_PER_SM = 2      # the activation kernel's grid: at least this many CTAs per SM (`k_splits`)
+ACT_CTAS_PER_SM = 8      # the activation kernel's grid: at least this many CTAs per SM (`k_splits`; measured, chapter 8a)
+ACT_STAGES = 2           # its ring depth: two stages let the most CTAs share an SM (measured, chapter 8a)
 
 def k_splits(m_tiles: int, k_blocks: int, num_sms: int, ctas_per_sm: int = ACT_CTAS_PER_SM) -> int:
     "Shares of K per row tile: the fewest that divide `k_blocks` and give at least `ctas_per_sm` CTAs per SM (or all of K)."
@@ -380,7 +381,7 @@ def _launch_quant(key, make, args, dev):
 
 ACTIVATION_FORMATS = ("int4", "int4_pg", "int8")   # what the fused activation kernel can write
 
-def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=4, ctas_per_sm=ACT_CTAS_PER_SM):
+def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM):
     """`(quantize(x * (1/smooth), fmt), x @ lora_down_tᵀ)` on an sm_90 GPU; the second item is None without `lora_down_t`.
     `x` `[M, K]` and the others in bf16 or fp16, `lora_down_t` `[R, K]`. int4 (scales in `x`'s dtype) is one kernel;
     int4_pg and int8 (activations as int8, a float32 `base` per row) are two passes over `x`: the row maxima (with the

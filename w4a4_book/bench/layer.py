@@ -16,9 +16,9 @@ from .timing import check_timing, gpu_key, mfu, rel_err, tflops, time_cuda
 from .workloads import FP8_MAX, bench_problems, kernel_unavailable
 
 # %% auto #0
-__all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'ACTIVATION_FORMATS', 'layer_paths', 'run_layer_bench', 'layer_table',
-           'activation_bytes', 'copy_bandwidth', 'run_activation_bench', 'activation_table', 'layer_shapes',
-           'add_arguments', 'recorded_runs', 'run']
+__all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'ACTIVATION_FORMATS', 'ACTIVATION_GRID', 'layer_paths', 'run_layer_bench',
+           'layer_table', 'activation_bytes', 'copy_bandwidth', 'run_activation_bench', 'activation_table',
+           'layer_shapes', 'add_arguments', 'recorded_runs', 'run']
 
 # %% ../../nbs/09c_bench_layer.ipynb #7cb7f5b6
 LAYER_PATHS = ("torch_bf16", "torch_fp8", "w4a4", "w4a4_torch_quant", "w4a4_pg")   # w4a4: int4 weights; w4a4_pg: int4_pg
@@ -119,30 +119,39 @@ def _activation_inputs(M: int, K: int, R: int) -> tuple:
     ldt = (torch.randn(R, K, device="cuda", generator=g) / K ** 0.5).bfloat16() if R else None
     return x, smooth, ldt
 
-def run_activation_bench(shapes, R: int = 32, fmts=ACTIVATION_FORMATS, iters: int = 50, warmup: int = 10, quiet: bool = False) -> list:
+ACTIVATION_GRID = tuple((c, s) for c in (2, 4, 8) for s in (2, 4))   # `--grid`: (CTAs per SM, ring stages) tried
+
+def _time_activation(M, K, R, fmt, cps, stages, copy, iters, warmup) -> dict:
+    "One row of `run_activation_bench`: graph and eager times of one format and grid point, its bytes and bandwidth."
+    x, smooth, ldt = _activation_inputs(M, K, R)
+    splits = gemm.k_splits(-(-M // 64), K // 64, gemm.sm_count(torch.cuda.current_device()), cps)
+    call = lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt, stages=stages, ctas_per_sm=cps)
+    eager = time_cuda(call, warmup=warmup, iters=iters)
+    t = time_cuda(call, warmup=warmup, iters=iters, graph=True)
+    nbytes = activation_bytes(M, K, R, fmt, splits)
+    bw = nbytes / (t["median_ms"] * 1e-3)
+    return dict(method=f"activation_{fmt}", fmt=fmt, M=M, K=K, R=R, ctas_per_sm=cps, stages=stages, k_splits=splits,
+                bytes=nbytes, **t, timing="graph", eager_median_ms=eager["median_ms"], eager_p10_ms=eager["p10_ms"],
+                eager_p90_ms=eager["p90_ms"], bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy)
+
+def run_activation_bench(shapes, R: int = 32, fmts=ACTIVATION_FORMATS, iters: int = 50, warmup: int = 10, quiet: bool = False,
+                         grid=((gemm.ACT_CTAS_PER_SM, gemm.ACT_STAGES),)) -> list:
     """Time `gemm.quantize_lora_down` per format on each `(M, K)` as CUDA-graph replays (the row's timing fields, its
-    bandwidth), and eagerly beside it (`eager_*_ms`), with the copy bandwidth of the same run; one row per pair."""
+    bandwidth), and eagerly beside it (`eager_*_ms`), with the copy bandwidth of the same run; one row per shape,
+    `(ctas_per_sm, stages)` point of `grid` (default: the kernel's defaults) and format."""
     copy = copy_bandwidth()
     rows = []
-    for M, K in shapes:
-        x, smooth, ldt = _activation_inputs(M, K, R)
-        splits = gemm.k_splits(-(-M // 64), K // 64, gemm.sm_count(torch.cuda.current_device()))
-        for fmt in fmts:
-            call = lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt)
-            eager = time_cuda(call, warmup=warmup, iters=iters)
-            t = time_cuda(call, warmup=warmup, iters=iters, graph=True)
-            nbytes = activation_bytes(M, K, R, fmt, splits)
-            bw = nbytes / (t["median_ms"] * 1e-3)
-            rows.append(dict(method=f"activation_{fmt}", fmt=fmt, M=M, K=K, R=R, k_splits=splits, bytes=nbytes, **t,
-                             timing="graph", eager_median_ms=eager["median_ms"], eager_p10_ms=eager["p10_ms"],
-                             eager_p90_ms=eager["p90_ms"], bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy))
-            if not quiet: print(f"{M}x{K} R={R} {fmt}: {t['median_ms'] * 1e3:.1f} us (graph), {eager['median_ms'] * 1e3:.1f} us eager, "
-                                f"{bw / 1e12:.2f} TB/s = {bw / copy:.0%} of copy", flush=True)
+    for (M, K), (cps, stages), fmt in ((mk, g, f) for mk in shapes for g in grid for f in fmts):
+        r = _time_activation(M, K, R, fmt, cps, stages, copy, iters, warmup)
+        rows.append(r)
+        if not quiet: print(f"{M}x{K} R={R} {fmt} ctas/SM {cps} stages {stages}: {r['median_ms'] * 1e3:.1f} us (graph), "
+                            f"{r['eager_median_ms'] * 1e3:.1f} us eager, {r['bandwidth'] / 1e12:.2f} TB/s = {r['of_copy']:.0%} of copy", flush=True)
     return rows
 
 def activation_table(rows: list) -> str:
     "Microseconds (graph replays, and eager), bytes moved and the fraction of the copy bandwidth, per shape and format."
     return markdown_table([{"M×K": f"{r['M']}×{r['K']}", "R": r["R"], "format": r["fmt"], "passes": 1 if r["fmt"] == "int4" else 2,
+                            **({"CTAs/SM": r["ctas_per_sm"], "stages": r["stages"]} if "ctas_per_sm" in r else {}),
                             "MB moved": f"{r['bytes'] / 1e6:.1f}", "µs": f"{r['median_ms'] * 1e3:.1f}",
                             "eager µs": "—" if r.get("eager_median_ms") is None else f"{r['eager_median_ms'] * 1e3:.1f}",
                             "TB/s": f"{r['bandwidth'] / 1e12:.2f}", "of copy": f"{r['of_copy']:.0%}"} for r in rows])
@@ -163,7 +172,9 @@ def add_arguments(p) -> None:
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays: GPU time without the per-call host work")
     p.add_argument("--activation", action="store_true",
                    help="time the activation kernel alone, per format (CUDA-graph replays, and eager beside), against the copy bandwidth")
-    p.add_argument("--out", default=None, help="record path (default: nbs/data/layer_<gpu>.json, layer_<gpu>_graph.json or activation_<gpu>.json)")
+    p.add_argument("--grid", action="store_true",
+                   help="with --activation: every (CTAs per SM, ring stages) of ACTIVATION_GRID, the measurement the defaults come from")
+    p.add_argument("--out", default=None, help="record path (default: nbs/data/layer_<gpu>.json, layer_<gpu>_graph.json, activation_<gpu>.json or activation_grid_<gpu>.json)")
 
 def recorded_runs(args) -> list:
     "The `(provenance, rows)` of the records that measured what `args` asks for (kind, rank, timing), rows cut to its shapes."
@@ -183,6 +194,8 @@ def run(args) -> int:
     check_timing(args.iters, 0)
     if args.rank <= 0 or args.rank % 16:
         raise ValueError(f"rank must be a positive multiple of 16, got {args.rank}")
+    if args.grid and not args.activation:
+        raise ValueError("--grid: sweeps the activation kernel's grid, so it needs --activation")
     why_not = kernel_unavailable()
     if why_not is not None:
         runs = recorded_runs(args)
@@ -208,11 +221,13 @@ def run(args) -> int:
 # %% ../../nbs/09c_bench_layer.ipynb #ace53d40
 def _run_activation(args, shapes) -> int:
     "`bench-layer --activation`: measure, print and save the activation kernel's record."
-    rows = run_activation_bench(shapes, args.rank, iters=args.iters)
+    grid = dict(grid=ACTIVATION_GRID) if args.grid else {}
+    rows = run_activation_bench(shapes, args.rank, iters=args.iters, **grid)
     print(activation_table(rows))
     gpu = torch.cuda.get_device_name()
-    path = args.out or data_dir() / f"activation_{gpu_key(gpu).lower().replace(' ', '-')}.json"
-    cmd = f"w4a4-book bench-layer --activation --shapes {args.shapes} --rank {args.rank} --iters {args.iters}"
+    name = "activation_grid" if args.grid else "activation"
+    path = args.out or data_dir() / f"{name}_{gpu_key(gpu).lower().replace(' ', '-')}.json"
+    cmd = f"w4a4-book bench-layer --activation{' --grid' if args.grid else ''} --shapes {args.shapes} --rank {args.rank} --iters {args.iters}"
     prov = provenance(cmd, [list(s) for s in shapes], kind="activation", rank=args.rank, timing="cuda_graph")
     print(f"saved {save_record(path, prov, rows)}")
     return 0
