@@ -17,11 +17,12 @@ LAYERS = [
     ("bench", "bench.*", "repro", "sweep", "accuracy"),             # experiments
     ("layers",),                                                    # the layer
     ("gemm",),                                                      # the host layer
-    ("kernels.sm90_v1", "kernels.sm90_v2", "kernels.sm90_quant", "kernels.sm90_pg*", "kernels.sm90_v*", "kernels.sm100_*"),  # kernels
-    ("kernels.sm90_parts", "kernels.sm100_parts"),                  # kernel parts
+    ("kernels.sm90_v1", "kernels.sm90_v2", "kernels.sm90_quant", "kernels.sm90_pg*", "kernels.sm90_v*", "kernels.sm100_v*"),  # kernels
+    ("kernels.sm100_parts",),                                       # the Blackwell parts, on the generic ones below
+    ("kernels.sm90_parts",),                                        # kernel parts
     ("smem", "reference", "operands", "formats", "records"),        # foundations
 ]
-SIBLINGS_MAY_IMPORT = {1, 6}     # experiments build on each other, foundations too; kernels never import kernels
+SIBLINGS_MAY_IMPORT = {1, 7}     # experiments build on each other, foundations too; kernels never import kernels
 EXEMPT = {"__init__", "_modidx", "kernels", "kernels.__init__", "bench.__init__"}   # the package facade and nbdev's index
 
 

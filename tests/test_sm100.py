@@ -1,6 +1,6 @@
 """The sm_100 kernels (chapter 10a), checked without a Blackwell GPU: the host scale-factor layout, the host emulation
 of the kernels' arithmetic against the reference, the solver family, compiles for sm_100a (PTX, shared memory,
-ptxas) and named errors. The tests marked `sm100` run the kernels on a compute-capability-10 GPU (`pytest -m sm100`)
+ptxas) and named errors, for v1, the naive pair and v2 (chapter 10b). The tests marked `sm100` run the kernels on a compute-capability-10 GPU (`pytest -m sm100`)
 and are skipped everywhere else: none has run yet."""
 import itertools
 import subprocess
@@ -15,11 +15,17 @@ from w4a4_book.formats import quantize
 from w4a4_book.operands import Problem, check_problem
 from w4a4_book.reference import w4a4_gemm_ref
 
-sm100 = pytest.importorskip("w4a4_book.kernels.sm100_v1")
+sm100 = pytest.importorskip("w4a4_book.kernels.sm100_parts")
+v1 = pytest.importorskip("w4a4_book.kernels.sm100_v1")
+v2 = pytest.importorskip("w4a4_book.kernels.sm100_v2")
 
 
-def _cfg(cta_group=1, **kw):
-    return smem.Sm100V1Config(cta_group=cta_group, tile_m=128 * cta_group, **kw)
+def _cfg(cta_group=1, cls=smem.Sm100V1Config, **kw):
+    return cls(cta_group=cta_group, tile_m=128 * cta_group, **kw)
+
+
+def _cfg2(cta_group=2, **kw):
+    return _cfg(cta_group, smem.Sm100V2Config, **kw)
 
 
 def _operands(M, N, K, R, seed=0, wcs=True, bias=True):
@@ -99,20 +105,29 @@ def test_config_errors_name_the_field():
 
 # ---------------------------------------------------------------- compiled for sm_100a, in a subprocess
 COMPILES = [(1, 32, "per_cta"), (1, 0, "per_cta"), (2, 32, "per_cta"), (2, 32, "pair"), (2, 128, "pair")]
+# v2: (cta_group, R, accounting, tile_n, acc_stages)
+COMPILES_V2 = [(2, 32, "per_cta", 256, 1), (2, 32, "pair", 256, 1), (2, 128, "per_cta", 256, 1),
+               (2, 128, "pair", 256, 1), (2, 0, "per_cta", 256, 1), (1, 32, "per_cta", 256, 1),
+               (2, 32, "per_cta", 128, 2)]
+
+
+def _v2_config(cg, R, acct, tile_n, acc_stages):
+    return _cfg2(cg, lora_accounting=acct, tile_n=tile_n, acc_stages=acc_stages)
 
 
 @pytest.fixture(scope="module")
 def reports():
-    "One subprocess (CUTE_DSL_ARCH=sm_90a) compiles every config of `COMPILES` for sm_100a on fake tensors."
+    "One subprocess (CUTE_DSL_ARCH=sm_90a) compiles every config of `COMPILES` and `COMPILES_V2` for sm_100a on fake tensors."
     import os, pickle, tempfile
-    code = ("import pickle, sys; import w4a4_book.gemm as g, w4a4_book.smem as s; out = {}\n"
-            "for cg, R, a in pickle.load(open(sys.argv[1], 'rb')):\n"
-            "    c = s.Sm100V1Config(cta_group=cg, tile_m=128 * cg, lora_accounting=a)\n"
-            "    out[cg, R, a] = g.compile_kernel(c, g.example_problem(g.spec_for(c), 4352, 3072, 3840, R))\n"
+    configs = [((cg, R, a), _cfg(cg, lora_accounting=a), R) for cg, R, a in COMPILES]
+    configs += [(("v2", *key), _v2_config(*key), key[1]) for key in COMPILES_V2]
+    code = ("import pickle, sys; import w4a4_book.gemm as g; out = {}\n"
+            "for key, c, R in pickle.load(open(sys.argv[1], 'rb')):\n"
+            "    out[key] = g.compile_kernel(c, g.example_problem(g.spec_for(c), 4352, 3072, 3840, R))\n"
             "pickle.dump(out, open(sys.argv[2], 'wb'))")
     with tempfile.TemporaryDirectory() as d:
         src, dst = os.path.join(d, "in.pkl"), os.path.join(d, "out.pkl")
-        pickle.dump(COMPILES, open(src, "wb"))
+        pickle.dump(configs, open(src, "wb"))
         r = subprocess.run([sys.executable, "-c", code, src, dst], capture_output=True, text=True,
                            env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
         assert r.returncode == 0, r.stderr[-4000:]
@@ -163,7 +178,7 @@ def test_cli_compiles_the_pair(tmp_path):
 
 # ---------------------------------------------------------------- bad input, before any launch
 def test_bad_input_names_the_argument():
-    req = sm100.W4A4GemmSm100V1.requirements(_cfg())
+    req = v1.W4A4GemmSm100V1.requirements(_cfg())
     nv = dict(scale_dtype=torch.float8_e4m3fn, fmt="nvfp4")
     with pytest.raises(ValueError, match="^act: K=320"):
         check_problem(req, Problem(256, 256, 320, 0, **nv))
@@ -208,6 +223,134 @@ B200_GRID = [(1, 256, 256, 512, 0), (1, 300, 512, 1024, 32), (2, 512, 512, 768, 
 def test_matches_reference_on_b200(cg, M, N, K, R, out_dtype):
     A, W, la, lu, s, b = (t.cuda() if t is not None else None for t in _operands(M, N, K, R))
     out = gemm.gemm_w4a4(A, W, la, lu, s, b, out_dtype=out_dtype, config=_cfg(cg))
+    cpu = lambda t: t.cpu() if t is not None else None
+    emu = sm100.emulate_sm100(A.to("cpu"), W.to("cpu"), cpu(la), cpu(lu), cpu(s), cpu(b), out_dtype=out_dtype)
+    ref = w4a4_gemm_ref(A.to("cpu"), W.to("cpu"), cpu(la), cpu(lu), cpu(s), cpu(b))
+    torch.testing.assert_close(out.cpu().float(), emu.float(), rtol=2**-7, atol=1e-3 * ref.abs().max().item())
+
+
+# ---------------------------------------------------------------- v2 (chapter 10b), on CPU
+def test_v2_solver_family_and_tmem():
+    "v2's budget is the solver's Blackwell family: the pair loses the stages the solver says; TMEM is counted."
+    for R, per_cta, pair in [(32, 5, 4), (128, 3, 2)]:
+        b = {a: smem.solve(_cfg2(lora_rank=R, lora_accounting=a)) for a in smem.LORA_ACCOUNTING}
+        assert (b["per_cta"].stages["main"], b["pair"].stages["main"]) == (per_cta, pair)
+    assert smem.sm100_tmem_columns(_cfg2())["total"] == 256 + 16 + 32
+    assert smem.sm100_tmem_columns(_cfg2(tile_n=128, acc_stages=2))["total"] == 2 * 128 + 16 + 16
+    with pytest.raises(ValueError, match="^acc_stages=2: .* 560 TMEM columns > 512"):
+        smem.check_config(_cfg2(acc_stages=2))
+    with pytest.raises(ValueError, match="^acc_stages=3"):
+        smem.check_config(_cfg2(tile_n=128, acc_stages=3))
+    acc = {t.name: t.bytes for t in smem.solve(_cfg2(tile_n=128, acc_stages=2)).fields}
+    assert acc["acc_full"] == acc["acc_empty"] == 2 * smem.MBARRIER_BYTES
+
+
+def test_v2_roles_are_data():
+    r = v2.ROLES
+    assert (r.threads, r.tmem_threads, r.epilogue_warps, r.mma_warp, r.load_warp) == (192, 160, (0, 1, 2, 3), 4, 5)
+    with pytest.raises(ValueError, match="^epilogue_warps="):
+        v2.Sm100Roles(epilogue_warps=(1, 2, 3, 4))
+    with pytest.raises(ValueError, match="^mma_warp="):
+        v2.Sm100Roles(mma_warp=6)
+
+
+def test_v2_scheduler_covers_every_tile_once():
+    from w4a4_book.kernels.sm90_parts import raster
+    for m_tiles, n_tiles, cg, sms in [(17, 12, 2, 148), (3, 2, 1, 132), (40, 12, 2, 148)]:
+        s = v2.PairRaster(m_tiles, n_tiles, cg)
+        c = s.clusters(sms)
+        assert c <= sms // cg
+        seen = [raster(k + i * c, m_tiles, n_tiles, s.group_m) for k in range(c) for i in range(s.count(k, c))]
+        assert sorted(seen) == sorted((m, n) for m in range(m_tiles) for n in range(n_tiles))
+
+
+@pytest.mark.parametrize("key", COMPILES_V2)
+def test_v2_compiled_storage_equals_solver(reports, key):
+    "The compiled SharedStorage is the solver's, in both LoRA accountings (pair: the charged total exceeds it)."
+    rep = reports[("v2", *key)]
+    want = smem.solve(gemm.bind(_v2_config(*key), rep.problem), k=rep.problem.K)
+    assert rep.smem_bytes == want.allocated == rep.budget.allocated
+    assert rep.budget.stages == want.stages
+    assert (want.total == want.allocated) == (key[2] == "per_cta" or key[1] == 0)
+
+
+@pytest.mark.parametrize("R, per_cta, pair", [(32, 5, 4), (128, 3, 2)])
+def test_v2_pair_loses_compiled_stages(reports, R, per_cta, pair):
+    a, b = reports[("v2", 2, R, "per_cta", 256, 1)], reports[("v2", 2, R, "pair", 256, 1)]
+    assert (a.budget.stages["main"], b.budget.stages["main"]) == (per_cta, pair)
+    assert b.smem_bytes < a.smem_bytes
+
+
+@pytest.mark.parametrize("key", COMPILES_V2)
+def test_v2_ptx(reports, key):
+    cg, R = key[0], key[1]
+    rep = reports[("v2", *key)]
+    ins = rep.instructions
+    assert rep.count(rf"tcgen05\.mma\.cta_group::{cg}\.kind::mxf4nvf4\.block_scale") == 4   # one K-tile, in the loop
+    assert rep.count(rf"tcgen05\.mma\.cta_group::{cg}\.kind::f16") == R // 16              # LoRA: 16-bit, same accumulator
+    assert ins["tcgen05.alloc"] == ins["tcgen05.dealloc"] == 1
+    assert rep.count(rf"tcgen05\.alloc\.cta_group::{cg}\.") == 1
+    assert ins["local memory"] == 0 and ins["TMA store"] > 0
+    assert rep.count(r"\.target sm_100a") == 1
+    assert rep.count(r"bar\.sync\s+1,\s*160;|barrier\.sync(?:\.aligned)?\s+1,\s*160;") >= 1       # TMEM_ALLOC: MMA + epilogue warps
+    if cg == 2:
+        assert rep.count(r"tcgen05\.commit\.cta_group::2\.\S*multicast::cluster") > 0
+        assert rep.count(r"cp\.async\.bulk\.tensor\.\S*multicast::cluster\S*cta_group::2") > 0
+
+
+@pytest.mark.parametrize("key", COMPILES_V2[:3])
+def test_v2_ptxas_where_available(reports, key):
+    res = reports[("v2", *key)].ptxas()
+    if res is None:
+        pytest.skip("no ptxas on this machine")
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0
+    assert res["registers"] <= v2.ROLES.max_registers
+
+
+def test_cli_compiles_v2(tmp_path):
+    ptx = tmp_path / "k.ptx"
+    main = "import sys; from w4a4_book.cli import main; sys.exit(main(sys.argv[1:]))"
+    r = subprocess.run([sys.executable, "-c", main, "compile", "v2", "--arch", "sm_100a", "--fmt", "nvfp4",
+                        "--cta-group", "2", "--ptx", str(ptx)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TMEM columns: 304 used" in r.stdout and "tcgen05.mma (block-scaled) 4" in r.stdout
+    assert "kind::mxf4nvf4.block_scale" in ptx.read_text(errors="replace")
+
+
+def test_v2_is_registered_opt_in():
+    spec = gemm.find_kernel("v2", "nvfp4", "sm_100a")
+    assert (spec.config, spec.cls, spec.mainloop) == (smem.Sm100V2Config, "W4A4GemmSm100V2", "block_scaled")
+    assert all(arch != "sm_100a" for arch, _ in gemm.DEFAULTS)
+
+
+def test_v2_bad_input_names_the_argument():
+    req = v2.W4A4GemmSm100V2.requirements(_cfg2())
+    nv = dict(scale_dtype=torch.float8_e4m3fn, fmt="nvfp4")
+    with pytest.raises(ValueError, match="^act: K=320"):
+        check_problem(req, Problem(256, 256, 320, 0, **nv))
+    with pytest.raises(ValueError, match="^wgt: N=384"):
+        check_problem(req, Problem(256, 384, 512, 0, **nv))
+    with pytest.raises(TypeError, match="^lora_act"):
+        check_problem(req, Problem(256, 256, 512, 32, lora_dtype=torch.float16, **nv))
+    A, W, la, lu, s, b = _operands(256, 256, 512, 32)
+    with pytest.raises(ValueError, match="^act: must be on a CUDA device"):
+        gemm.gemm_w4a4(A, W, la, lu, s, b, config=_cfg2())
+
+
+# v2's order of operations is v1's (K-tiles in order, the LoRA steps after the K-tiles `lora_step_at` names, the
+# same epilogue): `emulate_sm100` is its emulation too.
+B200_GRID_V2 = [(2, 256, 256, 512, 0, 256, 1), (2, 1000, 512, 1024, 32, 256, 1), (2, 600, 768, 768, 128, 256, 1),
+                (1, 300, 512, 1024, 32, 256, 1), (2, 700, 384, 512, 16, 128, 2)]
+
+
+@pytest.mark.sm100
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_sm100(), reason="needs a compute-capability-10 GPU (B200, GB200)")
+@pytest.mark.parametrize("cg, M, N, K, R, tile_n, acc_stages", B200_GRID_V2)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_v2_matches_emulation_on_b200(cg, M, N, K, R, tile_n, acc_stages, out_dtype):
+    A, W, la, lu, s, b = (t.cuda() if t is not None else None for t in _operands(M, N, K, R))
+    out = gemm.gemm_w4a4(A, W, la, lu, s, b, out_dtype=out_dtype, config=_cfg2(cg, tile_n=tile_n, acc_stages=acc_stages))
     cpu = lambda t: t.cpu() if t is not None else None
     emu = sm100.emulate_sm100(A.to("cpu"), W.to("cpu"), cpu(la), cpu(lu), cpu(s), cpu(b), out_dtype=out_dtype)
     ref = w4a4_gemm_ref(A.to("cpu"), W.to("cpu"), cpu(la), cpu(lu), cpu(s), cpu(b))

@@ -69,6 +69,9 @@ register(KernelSpec("sm_90a", "v2", "int4_pg", "smem", smem.HopperPgSmemConfig, 
 register(KernelSpec("sm_100a", "v1", "nvfp4", "block_scaled", smem.Sm100V1Config, "w4a4_book.kernels.sm100_v1",
                     "W4A4GemmSm100V1", "sm_100 v1 and the naive pair (--cta-group 2): tcgen05 block-scaled NVFP4 MMA "
                     "(chapter 10a; compiled and checked, never run: opt-in, never a default)"))
+register(KernelSpec("sm_100a", "v2", "nvfp4", "block_scaled", smem.Sm100V2Config, "w4a4_book.kernels.sm100_v2",
+                    "W4A4GemmSm100V2", "sm_100 v2: FlashAttention-4's sm100 skeleton, warp roles, persistent, cta_group::2 "
+                    "pair tiles (chapter 10b; compiled and checked, never run: opt-in, never a default)"))
 
 # the fastest verified kernel for each (arch, weight format): what `gemm_w4a4` and `W4A4Linear` use by default
 DEFAULTS = {("sm_90a", "int4"): ("v2", "promote"), ("sm_90a", "int4_pg"): ("v2", "rs")}

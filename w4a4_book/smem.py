@@ -8,7 +8,8 @@ __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALI
            'FAMILIES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS', 'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config',
            'BlackwellOrigConfig', 'hopper_v1_terms', 'HopperV2Config', 'hopper_v2_terms', 'HopperPgConfig',
            'hopper_pg_terms', 'HopperPgSmemConfig', 'hopper_pg_smem_terms', 'blackwell_orig_terms', 'Family',
-           'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms', 'check_config', 'Budget', 'solve', 'explain']
+           'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms', 'check_config',
+           'Budget', 'solve', 'explain']
 
 # %% ../nbs/03_smem.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -438,6 +439,34 @@ def _check_sm100(cfg):
         raise ValueError(f"tile_n={cfg.tile_n}: needs {cols['total']} TMEM columns > {TMEM_COLUMNS}")
 
 FAMILIES[Sm100V1Config] = Family(sm100_terms, _check_sm100, archs=("sm_100",), fmt="nvfp4",
+                                 given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages))
+
+# %% ../nbs/03_smem.ipynb #8aaa7b57
+@dataclass(frozen=True)
+class Sm100V2Config(Sm100V1Config):
+    """sm_100 v2: warp-specialised and persistent, `cta_group=2` pair tiles of 256x256 by default; v1's shared-memory
+    layout (`sm100_terms`) with one full and one empty barrier per TMEM accumulator stage (`acc_stages`)."""
+    tile_m: int = 256               # the pair's MMA M
+    cta_group: int = 2
+    acc_stages: int = 1             # TMEM accumulators: two of 256 columns would leave none for the scales
+    family: ClassVar[str] = "sm100_v2"
+    kernel: ClassVar[str] = "v2"
+
+def sm100_v2_terms(cfg: Sm100V2Config, stages: dict, accounting: str) -> list:
+    "v2's SharedStorage: `sm100_terms` with `acc_stages` accumulator barriers each way."
+    acc = ("acc_full", "acc_empty")
+    return [replace(t, bytes=MBARRIER_BYTES * cfg.acc_stages) if t.name in acc else t
+            for t in sm100_terms(cfg, stages, accounting)]
+
+def _check_sm100_v2(cfg):
+    _int(cfg, "acc_stages", 1, 2)
+    cols = sm100_tmem_columns(cfg)
+    if cols["total"] > TMEM_COLUMNS:
+        raise ValueError(f"acc_stages={cfg.acc_stages}: {cfg.acc_stages} accumulators of tile_n={cfg.tile_n} columns and "
+                         f"{cols['sfa'] + cols['sfb']} of scales need {cols['total']} TMEM columns > {TMEM_COLUMNS}")
+    _check_sm100(cfg)
+
+FAMILIES[Sm100V2Config] = Family(sm100_v2_terms, _check_sm100_v2, archs=("sm_100",), fmt="nvfp4",
                                  given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages))
 
 # %% ../nbs/03_smem.ipynb #dc89eb3d
