@@ -128,7 +128,7 @@ def test_recorded_sweeps_are_consistent():
             assert [M, N, K, R] in prov["shapes"], (path.name, key)
             config = sweep.curve_config(key)          # the recorded `version` is the kernel's registry name
             assert (gemm.spec_for(config).kernel, gemm.cluster_size(config), gemm.spec_for(config).fmt) == (v, cn, fmt)
-            assert sorted(c) == list(range(1, sweep.max_stages(config, Problem(M, N, K, R)) + 1)), (path.name, key)
+            assert sorted(c) == list(range(sweep.min_stages(config), sweep.max_stages(config, Problem(M, N, K, R)) + 1)), (path.name, key)
             assert all(math.isclose(r["mfu"], r["tflops"] / peak, rel_tol=1e-9) for r in c.values())
 
 
@@ -141,6 +141,15 @@ def test_sweep_marks_lie_on_the_recorded_curves():
         assert set(m) == set(smem.LORA_ACCOUNTING) and m["per_cta"] >= m["pair"]
         assert m["per_cta"] == max(cs[key])            # the fix picks the deepest point swept
         assert m["pair"] in cs[key]
+
+
+def test_int4_pg_sweep_starts_at_two_stages():
+    "The int4_pg mainloop holds two stages at once: one would deadlock, so the config refuses it and the sweep starts at 2."
+    assert sweep.min_stages(smem.HopperPgConfig()) == 2 and sweep.min_stages(smem.HopperV2Config()) == 1
+    with pytest.raises(ValueError, match="stages=1: the hopper_pg K-loop holds 2 stages at once"):
+        smem.check_config(smem.HopperPgConfig(stages=1))
+    with pytest.raises(ValueError, match="max_stages=1"):
+        smem.check_config(smem.HopperPgConfig(max_stages=1))
 
 
 def test_solver_marks_and_max_stages_take_configs():

@@ -380,13 +380,16 @@ class Family:
     archs: tuple
     fmt: str
     fill: str | None = None  # stage kind grown after solving, into the leftover bytes
+    min_stages: int = 1      # the fewest main stages its K-loop can run with (fewer would deadlock)
 
 FAMILIES = {
     HopperV1Config: Family(hopper_v1_terms, _check_hopper_v1, archs=("sm_90",), fmt="int4",
                            given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=0)),
     HopperV2Config: Family(hopper_v2_terms, _check_hopper_v2, archs=("sm_90",), fmt="int4",
                            given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=0)),
-    HopperPgConfig: Family(hopper_pg_terms, _check_hopper_pg, archs=("sm_90",), fmt="int4_pg",
+    # NOTES: the register-sourced mainloop decodes K-block k+1 while block k's wgmmas run, and frees k's stage only
+    # once k+1's has landed: it holds two stages at once, so one stage would wait on itself forever.
+    HopperPgConfig: Family(hopper_pg_terms, _check_hopper_pg, archs=("sm_90",), fmt="int4_pg", min_stages=2,
                            given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
     HopperPgSmemConfig: Family(hopper_pg_smem_terms, _check_hopper_pg_smem, archs=("sm_90",), fmt="int4_pg",
                                given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
@@ -483,6 +486,10 @@ def check_config(cfg) -> None:
     _int(cfg, "lora_stages")
     for name in ("stages", "max_stages"):
         if getattr(cfg, name) is not None: _int(cfg, name)
+    for name in ("stages", "max_stages"):
+        if (getattr(cfg, name) or fam.min_stages) < fam.min_stages:
+            raise ValueError(f"{name}={getattr(cfg, name)}: the {cfg.family} K-loop holds {fam.min_stages} stages at once; "
+                             f"it needs at least {fam.min_stages}")
     fam.check(cfg)
 
 # %% ../nbs/03_smem.ipynb #63f3a3d2
@@ -534,12 +541,14 @@ def _size(cfg, stages: dict, accounting: str) -> int:
     return struct_layout(FAMILIES[type(cfg)].terms(cfg, stages, accounting))[1]
 
 def _one_stage(cfg) -> int:
-    "Bytes charged for `cfg` with a single main stage."
-    return _size(cfg, {**FAMILIES[type(cfg)].given(cfg), "main": 1}, cfg.lora_accounting)
+    "Bytes charged for `cfg` with the fewest main stages its family runs with (one, or `Family.min_stages`)."
+    fam = FAMILIES[type(cfg)]
+    return _size(cfg, {**fam.given(cfg), "main": fam.min_stages}, cfg.lora_accounting)
 
 def _no_fit(cfg, need: int, cap: int) -> str:
     "The error message when one main stage overflows, naming the field to blame."
-    why = f"even one main stage needs {need} bytes > {cap} ({cfg.arch})"
+    n = FAMILIES[type(cfg)].min_stages
+    why = f"even {'one main stage needs' if n == 1 else f'{n} main stages (its fewest) need'} {need} bytes > {cap} ({cfg.arch})"
     if cfg.lora_rank and _one_stage(replace(cfg, lora_rank=0)) <= cap:
         return (f"lora_rank={cfg.lora_rank}: {why}; the LoRA blocks (lora_stages={cfg.lora_stages}, "
                 f"lora_accounting={cfg.lora_accounting!r}) leave no room")
@@ -555,7 +564,7 @@ def solve(cfg, *, k: int | None = None) -> Budget:
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
         raise ValueError(f"k={k!r}: must be a positive int, the problem's K")
     fam, cap = FAMILIES[type(cfg)], ARCHS[cfg.arch].smem_per_block
-    st = {**fam.given(cfg), "main": cfg.stages or 1}
+    st = {**fam.given(cfg), "main": cfg.stages or fam.min_stages}
     fits = lambda **more: _size(cfg, {**st, **more}, cfg.lora_accounting) <= cap
     if not fits():
         need = _size(cfg, st, cfg.lora_accounting)
