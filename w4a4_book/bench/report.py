@@ -285,19 +285,27 @@ def standing(rows: list[dict]) -> str:
             f"({_span(tf('torch_fp8_rowwise'), '{:.0f}')}) and {ratio('torch_bf16')}× its bf16 path "
             f"({_span(tf('torch_bf16'), '{:.0f}')}).")
 
+def _lora_rank_line(rs: list[dict], R: int) -> str:
+    "One rank of one config of a `lora_bug` record: stages under both accountings and fixed/bug (or that the bug builds nothing)."
+    stages = {a: [r["main_stages"] for r in rs if r["accounting"] == a] for a in ("pair", "per_cta")}
+    if not all(stages.values()):
+        raise ValueError(f"rows needs both accountings (pair, per_cta) at R={R}")
+    ratios = [r["fixed_over_bug"] for r in rs if r["fixed_over_bug"] is not None]
+    cost = f"fixed/bug {_span(ratios)}×" if ratios else "the bug leaves no stage, nothing builds"
+    return (f"R = {R}: main stages {_span(stages['pair'], '{}')} with the bug (`pair`) against "
+            f"{_span(stages['per_cta'], '{}')} fixed (`per_cta`), {cost}")
+
 def lora_line(rows: list[dict]) -> str:
-    "Markdown, per rank of a `lora_bug` record: main stages with the bug (`pair`) and fixed (`per_cta`), and fixed/bug TFLOP/s."
+    "Markdown, per config and rank of a `lora_bug` record: main stages with the bug (`pair`) and fixed (`per_cta`), and fixed/bug TFLOP/s."
+    configs = list(dict.fromkeys(r.get("config", "v2 int4 2-CTA") for r in rows))
     parts = []
-    for R in sorted({r["R"] for r in rows}, reverse=True):
-        rs = [r for r in rows if r["R"] == R]
-        stages = {a: [r["main_stages"] for r in rs if r["accounting"] == a] for a in ("pair", "per_cta")}
-        if not all(stages.values()):
-            raise ValueError(f"rows needs both accountings (pair, per_cta) at R={R}")
-        parts.append(f"R = {R}: main stages {_span(stages['pair'], '{}')} with the bug (`pair`) against "
-                     f"{_span(stages['per_cta'], '{}')} fixed (`per_cta`), fixed/bug {_span([r['fixed_over_bug'] for r in rs])}×")
+    for c in configs:
+        mine = [r for r in rows if r.get("config", "v2 int4 2-CTA") == c]
+        ranks = sorted({r["R"] for r in mine}, reverse=True)
+        parts.append(f"{c}: " + "; ".join(_lora_rank_line([r for r in mine if r["R"] == R], R) for R in ranks))
     if not parts:
         raise ValueError("rows must be a non-empty list of lora_bug rows")
-    return "; ".join(parts) + "."
+    return ". ".join(parts) + "."
 
 # %% ../../nbs/09b_report.ipynb #fc02edc9
 PG_README_RECORDS = ("bench_h200_int4_pg_m4352.json", "bench_h200_int4_pg_8192.json")   # the exact-integer kernel's runs
@@ -339,7 +347,7 @@ def readme_results(folder: str | Path | None = None) -> str:
         "Every shape and method, the M = 256 rows and how they were measured are in the "
         "[benchmarks chapter](nbs/09_bench.ipynb); the records are in `nbs/data/`.",
         "", readme_table(rows), "", standing(rows), "",
-        f"[LoRA accounting](nbs/06_lora_bug.ipynb) (v2 2-CTA, M = 4352, the four layers): {lora_line(lora_rows)}", "",
+        f"[LoRA accounting](nbs/06_lora_bug.ipynb) (2-CTA pairs, M = 4352, the four layers): {lora_line(lora_rows)}", "",
         *[f"- {record_line(name, p)}" for name, p, _ in pg + bench], f"- {record_line(LORA_RECORD, lora_prov)}"])
 
 # %% ../../nbs/09b_report.ipynb #849a0826
