@@ -10,6 +10,7 @@ import datetime as dt
 import io
 import json
 import os
+import re
 import platform
 import shutil
 import subprocess
@@ -17,8 +18,9 @@ from importlib import metadata
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['REQUIRED_PROVENANCE', 'RECORD_SUFFIXES', 'COMMIT_ENV', 'validate', 'provenance', 'save_record', 'load_record',
-           'data_dir', 'list_records', 'load_rows', 'remeasure', 'commit_reachable', 'unverifiable', 'markdown_table']
+__all__ = ['REQUIRED_PROVENANCE', 'RECORD_SUFFIXES', 'COMMIT_ENV', 'CITATIONS', 'validate', 'provenance', 'save_record',
+           'load_record', 'data_dir', 'list_records', 'load_rows', 'remeasure', 'commit_reachable', 'unverifiable',
+           'citations', 'markdown_table']
 
 # %% ../nbs/14_records.ipynb #4a18b05e
 REQUIRED_PROVENANCE = ("gpu", "driver", "torch", "cutlass_dsl", "commit", "date", "shapes", "command")
@@ -206,6 +208,25 @@ def unverifiable() -> list[tuple[str, str]]:
         prov, _ = load_record(path)
         if commit_reachable(prov["commit"]) is False:
             out.append((path.name, prov.get("experiment", "")))
+    return out
+
+# %% ../nbs/14_records.ipynb #ab551e30
+CITATIONS = "citations.json"   # in nbs/, beside data/: quoted figures, not measurements
+
+def _number_in(quote: str, v) -> bool:
+    "Whether the number `v` is written in `quote` (as 27, 6.0 or 14.2)."
+    return re.search(rf"(?<![\d.]){re.escape(format(v, 'g') if float(v) != int(v) else str(int(v)))}(\.0)?(?![\d])", quote) is not None
+
+def citations() -> dict:
+    "The quoted figures of `nbs/citations.json` by id, each checked: a known source, a quote, and its numbers in the quote."
+    doc = json.loads((data_dir().parent / CITATIONS).read_text())
+    out = {}
+    for f in doc["figures"]:
+        if f["source"] not in doc["sources"]: raise ValueError(f"citation {f['id']}: unknown source {f['source']!r}")
+        if not f["quote"].strip(): raise ValueError(f"citation {f['id']}: empty quote")
+        missing = [v for v in f["values"] if not _number_in(f["quote"], v)]
+        if missing: raise ValueError(f"citation {f['id']}: {missing} not in its quote {f['quote']!r}")
+        out[f["id"]] = {**f, "source_title": doc["sources"][f["source"]]}
     return out
 
 # %% ../nbs/14_records.ipynb #1804eb1b
