@@ -849,3 +849,23 @@ def test_bench_layer_grid_needs_activation():
     with pytest.raises(ValueError, match="--grid"):
         layer.run(p.parse_args(["--grid"]))
     assert layer.ACTIVATION_GRID[0] == (2, 2) and (gemm.ACT_CTAS_PER_SM, gemm.ACT_STAGES) in layer.ACTIVATION_GRID
+
+
+def test_depth_model_and_chase_buffer():
+    "The depth model's three regimes, and the chase buffer's single cycle through every cache line."
+    from w4a4_book.bench import latency
+    assert latency.depth_model(1.0, 3.0, 1) == 4.0 and latency.depth_model(1.0, 3.0, 4) == 1.0
+    assert latency.stages_needed(1.0, 3.0) == 4 and latency.stages_needed(1.0, 0.0) == 1
+    with pytest.raises(ValueError, match="stages=0"):
+        latency.depth_model(1.0, 1.0, 0)
+    b = latency.chase_buffer(1 << 14, device="cpu")
+    heads = b[::latency.LINE]
+    assert sorted(heads.tolist()) == list(range(0, b.numel(), latency.LINE))   # every line is some line's successor
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dram_latency_on_gpu():
+    from w4a4_book.bench import latency
+    dram, l2 = latency.dram_latency(hops=20_000), latency.dram_latency(nbytes=4 << 20, hops=20_000)
+    assert 0 < l2 < dram < 5e-6
