@@ -16,13 +16,14 @@ LAYERS = [
     ("cli",),                                                       # the command line and the book's tooling
     ("bench", "bench.*", "repro", "sweep", "accuracy"),             # experiments
     ("layers",),                                                    # the layer
+    ("ops",),                                                       # the layer's forward pass as a torch.library op
     ("gemm",),                                                      # the host layer
     ("kernels.sm90_v1", "kernels.sm90_v2", "kernels.sm90_quant", "kernels.sm90_pg*", "kernels.sm90_v*", "kernels.sm100_v*"),  # kernels
     ("kernels.sm100_parts",),                                       # the Blackwell parts, on the generic ones below
     ("kernels.sm90_parts",),                                        # kernel parts
     ("smem", "reference", "operands", "formats", "records"),        # foundations
 ]
-SIBLINGS_MAY_IMPORT = {1, 7}     # experiments build on each other, foundations too; kernels never import kernels
+SIBLINGS_MAY_IMPORT = {1, 8}     # experiments build on each other, foundations too; kernels never import kernels
 EXEMPT = {"__init__", "_modidx", "kernels", "kernels.__init__", "bench.__init__"}   # the package facade and nbdev's index
 
 

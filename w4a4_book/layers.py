@@ -13,11 +13,10 @@ import torch
 from fastcore.basics import patch
 from torch import nn
 
-from . import gemm, operands
+from . import gemm, operands, ops
 from . import formats
-from .formats import K_MULTIPLE, QTensor, check_fmt, quantize, reciprocal
+from .formats import K_MULTIPLE, QTensor, check_fmt, quantize
 from .operands import LORA_RANK_MULTIPLE
-from .reference import w4a4_gemm_ref
 
 # %% auto #0
 __all__ = ['SMOOTH_ALPHA', 'BACKENDS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'DEFAULT_FMT', 'ACT_FORMATS',
@@ -47,10 +46,8 @@ def low_rank(w: torch.Tensor, rank: int) -> tuple:
     return U[:, :rank] * S[:rank], Vh[:rank].T
 
 # %% ../nbs/08_layer.ipynb #ab190ea8
-BACKENDS = ("auto", "reference", "sm90")
-LAYER_DTYPES = (torch.bfloat16, torch.float16)
-INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-WEIGHT_FORMATS = ("int4", "nvfp4", "int4_pg")       # what the residual weight can be stored as
+BACKENDS, LAYER_DTYPES, INPUT_DTYPES = ops.BACKENDS, ops.LAYER_DTYPES, ops.INPUT_DTYPES   # what the layer's op takes
+WEIGHT_FORMATS = ops.WEIGHT_FORMATS                 # what the residual weight can be stored as
 DEFAULT_FMT = "int4_pg"   # as accurate as int4 at rank 32 and about 3x faster on Hopper (the layer chapter's measurements)
 ACT_FORMATS = {"int4_pg": ("int4_pg", "int8")}      # activation formats other than the weights' own (W4A8)
 
@@ -103,6 +100,19 @@ class W4A4Linear(nn.Module):
         "The quantized residual weight `[N, K]` as a `QTensor` over the layer's buffers."
         return QTensor(self.qweight_data, self.qweight_scales, self.fmt, self.qweight_global_scale, self.qweight_base)
 
+    @property
+    def kernel_config(self):
+        "The sm90 kernel's config, or None for the format's default; setting it registers it with `w4a4::linear` (`ops.config_key`)."
+        return self._kernel_config
+
+    @kernel_config.setter
+    def kernel_config(self, config):
+        self._kernel_config, self._kernel_key = config, ops.config_key(config)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.kernel_config = self._kernel_config       # a copy or an unpickled layer registers its config again
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
                 f"fmt={self.fmt!r}" + (f", act_fmt={self.act_fmt!r}" if self.act_fmt != self.fmt else "")
@@ -146,25 +156,18 @@ def from_linear(cls: W4A4Linear, linear: nn.Linear, rank: int = 32, fmt: str = D
 @patch
 def quantize_input(self: W4A4Linear, x: torch.Tensor) -> tuple:
     "Quantize rows `x` `[M, K]` after smoothing; return `(act, lora_act)`, `lora_act` `[M, R]` or None at rank 0."
-    x = x.float()
-    act = quantize(x * reciprocal(self.smooth.float()), self.act_fmt, self.dtype if self.act_fmt == "int4" else None)
-    lora_act = (x @ self.lora_down.float()).to(self.dtype) if self.rank else None
-    return act, lora_act
+    return ops.quantize_act_ref(x, self.smooth, self.lora_down if self.rank else None, self.act_fmt)
 
 @patch
 def quantize_input_fused(self: W4A4Linear, x: torch.Tensor) -> tuple:
     """The sm90 path's `quantize_input`: one kernel ([`quantize_lora_down`](08a_quant.ipynb)) on `x` cast to the
     layer's `dtype`; the same codes and scales as `quantize_input` on that cast."""
-    return gemm.quantize_lora_down(x.to(self.dtype).contiguous(), self.smooth, self.lora_down_t if self.rank else None,
-                                   fmt=self.act_fmt)
+    return ops.quantize_act_sm90(x, self.smooth, self.lora_down if self.rank else None, self.act_fmt)
 
 @patch(as_prop=True)
 def lora_down_t(self: W4A4Linear) -> torch.Tensor:
     "`lora_down` transposed to `[R, K]`, K-contiguous, as the fused kernel's TMA reads it; cached until `lora_down` changes."
-    key = (self.lora_down.data_ptr(), self.lora_down._version, self.lora_down.device)
-    if self.__dict__.get("_lora_down_t_key") != key:
-        self.__dict__["_lora_down_t"], self.__dict__["_lora_down_t_key"] = self.lora_down.t().contiguous(), key
-    return self.__dict__["_lora_down_t"]
+    return ops.lora_down_t(self.lora_down)
 
 # %% ../nbs/08_layer.ipynb #f05f81e5
 @patch
@@ -180,30 +183,37 @@ def gemm_config(self: W4A4Linear):
 
 @patch
 def why_not_sm90(self: W4A4Linear, x: torch.Tensor) -> Optional[str]:
-    "Why no sm90 kernel can compute this layer on input `x`, as a sentence, or None when one can."
-    if not x.is_cuda:
-        return f"x is on {x.device}, not a CUDA device"
-    try:
-        config = self.gemm_config
-        req = gemm.spec_for(config).kernel_class().requirements(config)
-        from w4a4_book.kernels.sm90_quant import MAX_RANK
-    except (ValueError, TypeError, ImportError) as e:
-        return f"no sm90 kernel: {e}"
-    cap = torch.cuda.get_device_capability(x.device)
-    if cap != req.capability:
-        return f"x is on a GPU of compute capability {cap}, not {req.capability}"
-    if self.rank > MAX_RANK:
-        return f"rank={self.rank} exceeds {MAX_RANK}, the widest LoRA block the fused activation kernel holds"
-    try:
-        operands.check_problem(req, self.problem(), gemm.cluster_size(config), names={"K": "in_features", "N": "out_features"})
-    except (ValueError, TypeError) as e:
-        return str(e)
-    return None
+    "Why no sm90 kernel can compute this layer on input `x`, as a sentence, or None when one can (`ops.why_not_sm90`)."
+    return ops.why_not_sm90(x, self.problem(), self.kernel_config)
 
 # %% ../nbs/08_layer.ipynb #dc0ecb6b
 @patch
+def op_args(self: W4A4Linear, x: torch.Tensor, backend: Optional[str] = None) -> list:
+    """The arguments of `w4a4::linear` (`ops.w4a4_linear`) for rows `x` `[M, K]`: `x`, the layer's buffers (the LoRA
+    factors None at rank 0), its formats, `backend` (default: the layer's) and its kernel config's key."""
+    lora = self.rank > 0
+    return [x, self.qweight_data, self.qweight_scales, self.qweight_global_scale, self.qweight_base, self.smooth,
+            self.lora_down if lora else None, self.lora_up if lora else None, self.wcscales, self.bias,
+            self.fmt, self.act_fmt, backend or self.backend, self._kernel_key]
+
+@patch
+def route(self: W4A4Linear, x: torch.Tensor) -> tuple:
+    """`(backend, name)` for input `x`: the op's backend, 'reference' or 'sm90', and what `last_backend` records
+    ('reference', or 'sm90-', the kernel and its mainloop); raises ValueError when backend='sm90' cannot run.
+    Cached per device, backend and kernel config."""
+    routes, key = self.__dict__.setdefault("_routes", {}), (x.device, self.backend, self._kernel_key)
+    if key not in routes:
+        reason = None if self.backend == "reference" else self.why_not_sm90(x)
+        if self.backend == "sm90" and reason:
+            raise ValueError(f"backend='sm90' cannot run: {reason}")
+        spec = gemm.spec_for(self.gemm_config) if reason is None and self.backend != "reference" else None
+        routes[key] = ("sm90", f"sm90-{spec.kernel}-{spec.mainloop}") if spec else ("reference", "reference")
+    return routes[key]
+
+@patch
 def forward(self: W4A4Linear, x: torch.Tensor) -> torch.Tensor:
-    "`x` `[..., K]` -> `[..., N]` in `x.dtype`, on the backend chosen by `self.backend`; `self.last_backend` records it."
+    """`x` `[..., K]` -> `[..., N]` in `x.dtype` by the op `w4a4::linear`, on the backend chosen by `self.backend`; an
+    eager call records it in `self.last_backend` (a compiled graph leaves it alone: its op decides as it runs)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
     if x.dtype not in INPUT_DTYPES:
@@ -214,22 +224,12 @@ def forward(self: W4A4Linear, x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"x is on {x.device} but the layer is on {self.qweight_data.device}")
     if self.backend not in BACKENDS:
         raise ValueError(f"backend={self.backend!r} must be one of {BACKENDS}")
-    reason = None if self.backend == "reference" else self.why_not_sm90(x)
-    if self.backend == "sm90" and reason:
-        raise ValueError(f"backend='sm90' cannot run: {reason}")
-    rows = x.reshape(-1, self.in_features)
-    lora_up = self.lora_up if self.rank else None
-    if reason is None and self.backend != "reference":
-        config = self.gemm_config
-        act, lora_act = self.quantize_input_fused(rows)
-        y = gemm.gemm_w4a4(act, self.qweight, lora_act, lora_up, self.wcscales, self.bias, out_dtype=self.dtype, config=config)
-        spec = gemm.spec_for(config)
-        self.last_backend = f"sm90-{spec.kernel}-{spec.mainloop}"
-    else:
-        act, lora_act = self.quantize_input(rows)
-        y = w4a4_gemm_ref(act, self.qweight, lora_act, lora_up, self.wcscales, self.bias)
-        self.last_backend = "reference"
-    return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    compiling = torch.compiler.is_compiling()        # a trace passes the backend on: the op decides "auto" as it runs
+    backend, name = (self.backend, None) if compiling else self.route(x)
+    y = torch.ops.w4a4.linear(*self.op_args(x.reshape(-1, self.in_features), backend))
+    if not compiling:
+        self.last_backend = name
+    return y.reshape(*x.shape[:-1], self.out_features)
 
 # %% ../nbs/08_layer.ipynb #4748e1b5
 @patch

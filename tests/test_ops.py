@@ -1,0 +1,251 @@
+"Tests of `w4a4::linear`: opcheck, torch.compile without graph breaks, CUDA-graph capture, and the named errors of bad input."
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from w4a4_book import ops
+from w4a4_book.layers import W4A4Linear, quantize_model, save_quantized
+from w4a4_book.reference import w4a4_gemm_ref
+from w4a4_book.smem import HopperV2Config
+
+PAIRS = [("int4", None), ("nvfp4", None), ("int4_pg", None), ("int4_pg", "int8")]
+OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+SM90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                          reason="needs an sm_90 GPU")
+
+
+def converted(fmt="int4_pg", act_fmt=None, K=256, N=128, rank=16, seed=0):
+    "A converted layer with smoothing from a calibration batch, and a batch of rows for it."
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(K, N)
+    x = torch.randn(8, K, generator=g)
+    x[:, 3] *= 20
+    return W4A4Linear.from_linear(lin, rank=rank, fmt=fmt, act_sample=x, act_fmt=act_fmt), torch.randn(8, K, generator=g)
+
+
+def block(K=256, H=512, device="cpu", **kw):
+    "Two converted linears around a ReLU (exact in every backend, so a compiled block can equal the eager one bit for bit)."
+    torch.manual_seed(0)
+    return quantize_model(nn.Sequential(nn.Linear(K, H), nn.ReLU(), nn.Linear(H, K)).to(device), rank=16, quiet=True, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# The op
+
+
+@pytest.mark.parametrize("fmt, act_fmt", PAIRS)
+def test_op_reference_is_the_reference_operator(fmt, act_fmt):
+    layer, x32 = converted(fmt, act_fmt)
+    for x in (x32, x32.bfloat16()):
+        act, lora_act = ops.quantize_act_ref(x, layer.smooth, layer.lora_down, layer.act_fmt)
+        want = w4a4_gemm_ref(act, layer.qweight, lora_act, layer.lora_up, layer.wcscales, layer.bias).to(x.dtype)
+        for backend in ("reference", "auto"):                   # on a CPU "auto" is the reference
+            assert torch.equal(torch.ops.w4a4.linear(*layer.op_args(x, backend)), want)
+
+
+@pytest.mark.parametrize("fmt, act_fmt", PAIRS)
+def test_opcheck(fmt, act_fmt):
+    layer, x = converted(fmt, act_fmt)
+    # test_schema compares the inputs before and after with allclose, which CPU FP8 (nvfp4's scales) lacks
+    tests = [t for t in OPCHECKS if not (fmt == "nvfp4" and t == "test_schema")]
+    torch.library.opcheck(torch.ops.w4a4.linear.default, layer.op_args(x), test_utils=tests)
+    torch.library.opcheck(torch.ops.w4a4.linear.default, layer.op_args(x[:1].bfloat16()), test_utils=tests)
+
+
+def test_op_reads_no_input_back_and_mutates_none():
+    "The weight values are checked once per buffer version; an in-place write is seen, and a bad value refused by name."
+    layer, x = converted("int4_pg")
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    y = layer(x)
+    assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+    with torch.no_grad():
+        layer.qweight_scales[0, 0] = 16                         # u out of [1, 15]: the version counter moves
+    with pytest.raises(ValueError, match=r"scales \(u\) must lie in \[1, 15\]"):
+        layer(x)
+    with torch.no_grad():
+        layer.qweight_scales.copy_(before["qweight_scales"])
+    assert torch.equal(layer(x), y)
+
+
+def test_a_layer_made_under_inference_mode():
+    "Inference tensors have no version counter: nothing is cached for them, and a bad value is still refused."
+    with torch.inference_mode():
+        layer, x = converted("int4_pg")
+        y = layer(x)
+        assert torch.equal(layer(x), y) and torch.equal(torch.compile(layer, fullgraph=True, backend="eager")(x), y)
+        assert torch.equal(ops.lora_down_t(layer.lora_down), layer.lora_down.t())
+        layer.qweight_scales[0, 0] = 0
+        with pytest.raises(ValueError, match=r"scales \(u\) must lie in \[1, 15\]"):
+            layer(x)
+
+
+def test_kernel_config_is_registered_with_the_op():
+    layer = W4A4Linear(512, 256, rank=16, fmt="int4", kernel_config=HopperV2Config(cluster_n=2))
+    key = layer.op_args(torch.zeros(1, 512))[-1]
+    assert ops._CONFIGS[key] == HopperV2Config(cluster_n=2)
+    ops._CONFIGS.pop(key)                                       # as in a fresh process
+    assert pickle.loads(pickle.dumps(layer)).op_args(torch.zeros(1, 512))[-1] in ops._CONFIGS
+    layer.kernel_config = None
+    assert layer.op_args(torch.zeros(1, 512))[-1] == ""
+    assert copy.deepcopy(layer).kernel_config is None
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_compile_fullgraph_equals_eager(backend):
+    "One graph, no break; the compiled block equals the eager one bit for bit, at a second (dynamic) M too."
+    model = block()
+    x = torch.randn(4, 32, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        assert torch.equal(compiled(x), model(x))
+        x2 = torch.randn(7, 256)
+        assert torch.equal(compiled(x2), model(x2))
+
+
+def test_explain_counts_no_graph_break():
+    model = block()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(torch.randn(16, 256, dtype=torch.bfloat16))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    assert "w4a4.linear" in str(explained.graphs[0].graph)
+
+
+def test_compiled_calls_leave_last_backend_alone():
+    model = block()
+    x = torch.randn(16, 256)
+    model(x)
+    assert [m.last_backend for m in model if isinstance(m, W4A4Linear)] == ["reference", "reference"]
+    model[0].last_backend = "set by hand"
+    torch.compile(model, fullgraph=True, backend="eager")(x)
+    assert model[0].last_backend == "set by hand"
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_bad_op_arguments_are_named():
+    layer, x = converted()
+    args = layer.op_args(x)
+    op = torch.ops.w4a4.linear
+    cases = [(0, x.double(), TypeError, "x: must have dtype in"), (0, x[:, :128], ValueError, "x: must be \\[M, K\\] with K=256"),
+             (0, x[None], ValueError, "x: must be \\[M, K\\]"),
+             (5, layer.smooth.float(), TypeError, "smooth: must have the layer's dtype"),
+             (6, None, ValueError, "lora_down: and lora_up must be given together"),
+             (9, layer.bias.to("meta"), ValueError, "bias: is on meta, x is on cpu"),
+             (10, "fp4", ValueError, "fmt='fp4' is not a known format"),
+             (11, "int4", ValueError, "act_fmt: 'int4' cannot pair with fmt='int4_pg'"),
+             (12, "cuda", ValueError, "backend: 'cuda' must be one of"),
+             (13, "HopperV9Config()", ValueError, "config: 'HopperV9Config\\(\\)' is not a registered kernel config")]
+    for i, value, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            op(*args[:i], value, *args[i + 1:])
+
+
+def test_bad_arguments_fail_while_tracing_too():
+    "The fake implementation checks what the real one does: a compiler's trace fails with the same message."
+    layer, x = converted()
+    args = layer.op_args(x)
+    with pytest.raises(Exception, match="smooth: must have the layer's dtype"):
+        torch.compile(lambda s: torch.ops.w4a4.linear(*args[:5], s, *args[6:]), fullgraph=True, backend="eager")(
+            layer.smooth.float())
+
+
+def test_layer_bad_input():
+    layer, x = converted()
+    with pytest.raises(ValueError, match="x is on meta but the layer is on cpu"):
+        layer(x.to("meta"))
+    with pytest.raises(TypeError, match="x must have dtype in"):
+        layer(x.to(torch.float64))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        layer(x.tolist())
+    wide = torch.randn(8, 512)[:, ::2]                          # a non-contiguous input is read as it is
+    assert not wide.is_contiguous() and torch.equal(layer(wide), layer(wide.contiguous()))
+
+
+def test_nothing_to_convert_is_named():
+    with pytest.raises(ValueError, match="model: no nn.Linear to convert .*it has none"):
+        quantize_model(nn.Sequential(nn.ReLU()), quiet=True)
+    with pytest.raises(ValueError, match="model: no nn.Linear to convert .*not a multiple"):
+        quantize_model(nn.Sequential(nn.Linear(100, 64)), quiet=True)
+    with pytest.raises(ValueError, match="model: it holds no W4A4Linear"):
+        save_quantized(nn.Sequential(nn.Linear(256, 64)), "unused.pt")
+
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU
+
+
+@pytest.mark.gpu
+@SM90
+@pytest.mark.parametrize("fmt, act_fmt", [("int4", None), ("int4_pg", None), ("int4_pg", "int8")])
+def test_op_on_cuda_against_the_cpu_reference(fmt, act_fmt):
+    "On CUDA the op's reference path is the CPU's up to float32 summation order, and its sm90 path is close to it."
+    layer, x = converted(fmt, act_fmt, K=1024, N=512, rank=32)
+    cpu = torch.ops.w4a4.linear(*layer.op_args(x.bfloat16(), "reference")).float()
+    gpu = copy.deepcopy(layer).cuda()
+    rel = lambda y: ((y.float().cpu() - cpu).norm() / cpu.norm()).item()
+    assert rel(torch.ops.w4a4.linear(*gpu.op_args(x.cuda().bfloat16(), "reference"))) < 1e-3
+    assert rel(torch.ops.w4a4.linear(*gpu.op_args(x.cuda().bfloat16(), "sm90"))) < 1e-2
+    assert rel(torch.ops.w4a4.linear(*gpu.op_args(x.cuda().bfloat16(), "auto"))) < 1e-2
+    torch.library.opcheck(torch.ops.w4a4.linear.default, gpu.op_args(x.cuda().bfloat16(), "sm90"))
+
+
+@pytest.mark.gpu
+@SM90
+def test_compile_fullgraph_on_the_gpu():
+    model = block(1024, 512, device="cuda")
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = model(x)
+        assert [m.last_backend for m in model if isinstance(m, W4A4Linear)] == ["sm90-v2-rs"] * 2
+        assert torch.equal(torch.compile(model, fullgraph=True)(x), eager)
+
+
+@pytest.mark.gpu
+@SM90
+def test_forward_reads_nothing_back_from_the_gpu():
+    "After the first call (kernel compilation, one check of the weight values) a forward makes no synchronising call."
+    model = block(1024, 512, device="cuda")
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        model(x)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@SM90
+def test_cuda_graph_captures_a_converted_block_under_inference_mode():
+    "A capture of the block replays to the eager output, bit for bit, on the captured input and on new values in it."
+    model = block(1024, 512, device="cuda")
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    x2 = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        eager, eager2 = model(x), model(x2)                     # compiles the kernels, checks the weights once
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                           # warm-up on a side stream, as torch.cuda.graph asks
+            model(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(x)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager2)
