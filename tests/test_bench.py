@@ -869,3 +869,13 @@ def test_dram_latency_on_gpu():
     from w4a4_book.bench import latency
     dram, l2 = latency.dram_latency(hops=20_000), latency.dram_latency(nbytes=4 << 20, hops=20_000)
     assert 0 < l2 < dram < 5e-6
+
+
+def test_recorded_activation_runs_tell_the_grid_sweep_apart():
+    "Without a GPU, `--activation` shows the defaults' record and `--activation --grid` the sweep's, never both."
+    from w4a4_book.bench import layer
+    p = argparse.ArgumentParser(); layer.add_arguments(p)
+    plain = layer.recorded_runs(p.parse_args(["--activation", "--shapes", "m4352"]))
+    grid = layer.recorded_runs(p.parse_args(["--activation", "--grid", "--shapes", "m4352"]))
+    assert plain and grid
+    assert all("--grid" not in prov["command"] for prov, _ in plain) and all("--grid" in prov["command"] for prov, _ in grid)

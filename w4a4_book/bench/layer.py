@@ -177,7 +177,7 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default=None, help="record path (default: nbs/data/layer_<gpu>.json, layer_<gpu>_graph.json, activation_<gpu>.json or activation_grid_<gpu>.json)")
 
 def recorded_runs(args) -> list:
-    "The `(provenance, rows)` of the records that measured what `args` asks for (kind, rank, timing), rows cut to its shapes."
+    "The `(provenance, rows)` of the records that measured what `args` asks for (kind, rank, timing, grid sweep or defaults), rows cut to its shapes."
     kind = "activation" if args.activation else "layer"
     timing = "cuda_graph" if args.activation or args.graph else "eager"
     wanted = {(M, K) for M, K, _ in layer_shapes(args.shapes)}
@@ -185,7 +185,9 @@ def recorded_runs(args) -> list:
     for path in list_records(kind):
         prov, rows = load_record(path)
         rows = [r for r in rows if (r["M"], r["K"]) in wanted]
-        if prov.get("kind") == kind and prov.get("rank") == args.rank and prov.get("timing") == timing and rows:
+        grid = "--grid" in prov["command"].split()             # a sweep of the launch grid, not the defaults
+        if prov.get("kind") == kind and prov.get("rank") == args.rank and prov.get("timing") == timing and rows \
+                and grid == bool(getattr(args, "grid", False)):
             out.append((prov, rows))
     return out
 
