@@ -809,7 +809,12 @@ def test_lora_line():
     rows = [dict(R=r, accounting=a, main_stages=s, fixed_over_bug=x)
             for r, a, s, x in [(128, "pair", 1, 1.2), (128, "per_cta", 3, 1.2), (128, "pair", 2, 1.05),
                                (128, "per_cta", 3, 1.05)]]
-    assert lora_line(rows) == "R = 128: main stages 1–2 with the bug (`pair`) against 3 fixed (`per_cta`), fixed/bug 1.05–1.20×."
+    assert lora_line(rows) == "v2 int4 2-CTA: R = 128: main stages 1–2 with the bug (`pair`) against 3 fixed (`per_cta`), fixed/bug 1.05–1.20×."
+    two = [dict(r, config=c) for c in ("A", "B") for r in rows[:2]] + [dict(config="B", R=256, accounting="pair", main_stages=0, fixed_over_bug=None),
+                                                                    dict(config="B", R=256, accounting="per_cta", main_stages=3, fixed_over_bug=None)]
+    assert lora_line(two) == ("A: R = 128: main stages 1 with the bug (`pair`) against 3 fixed (`per_cta`), fixed/bug 1.20×. "
+                              "B: R = 256: main stages 0 with the bug (`pair`) against 3 fixed (`per_cta`), the bug leaves no stage, "
+                              "nothing builds; R = 128: main stages 1 with the bug (`pair`) against 3 fixed (`per_cta`), fixed/bug 1.20×.")
     with pytest.raises(ValueError, match="both accountings"):
         lora_line(rows[::2])
     with pytest.raises(ValueError, match="non-empty"):

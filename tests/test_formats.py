@@ -138,7 +138,8 @@ def check_int4_bound(x, scale_dtype):
     s = q.scales.double().T.unsqueeze(-1)
     amax = group_view(x.double().abs(), G).amax(-1, keepdim=True)
     # always: half a step, or the clamp at +-7 (only possible for subnormal scales)
-    assert (err <= torch.maximum(s / 2, amax - 7 * s) * (1 + 2**-20)).all()
+    # (the reciprocal and the product each round once: a flipped rounding leaves |t - q| <= 1/2 + 7.03 * 2^-23)
+    assert (err <= torch.maximum(s / 2, amax - 7 * s) * (1 + 2**-19)).all()
     # groups with a normal scale: half a step, full stop
     normal = (s >= torch.finfo(scale_dtype).tiny).expand_as(err)
     assert (err[normal] <= (s * (0.5 + 2**-20)).expand_as(err)[normal]).all()
@@ -367,7 +368,8 @@ def test_int8_matches_scalar_rule_and_half_step(data):
     normal = (b >= torch.finfo(torch.float32).tiny).expand_as(err)
     assert (err[normal] <= (b * (0.5 + 2**-20) + x.double().abs() * 2**-23).expand_as(err)[normal]).all()
     amax = x.double().abs().amax(1, keepdim=True) if x.shape[1] else b
-    assert (err <= torch.maximum(b / 2, amax - 127 * b) * (1 + 2**-20) + 2**-140).all()
+    # a rounding flipped by the reciprocal's two roundings moves a code by 1 only where |t| is within |t| * 2^-23 of a tie
+    assert (err <= torch.maximum(b / 2, amax - 127 * b) * (1 + 2**-20) + x.double().abs() * 2**-22 + 2**-140).all()
 
 
 def check_int4_pg_bound(x):

@@ -102,7 +102,7 @@ class W4A4Linear(nn.Module):
 
     @property
     def kernel_config(self):
-        "The sm90 kernel's config, or None for the format's default; setting it registers it with `w4a4::linear` (`ops.config_key`)."
+        "The sm90 kernel's config, or None for the format's default; setting it names it to `w4a4::linear` (`ops.config_key`)."
         return self._kernel_config
 
     @kernel_config.setter
@@ -111,7 +111,7 @@ class W4A4Linear(nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self.kernel_config = self._kernel_config       # a copy or an unpickled layer registers its config again
+        self.kernel_config = self._kernel_config       # a copy or an unpickled layer names its config again
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "

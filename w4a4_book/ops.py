@@ -5,6 +5,7 @@
 # %% ../nbs/08c_ops.ipynb #e207fd19
 from __future__ import annotations
 
+import ast
 import functools
 from typing import Optional
 
@@ -17,8 +18,8 @@ from .operands import OPERAND_PAIRS, Problem, fail
 from .reference import w4a4_gemm_ref
 
 # %% auto #0
-__all__ = ['BACKENDS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'config_key', 'why_not_sm90', 'plan', 'weights',
-           'lora_down_t', 'quantize_act_ref', 'quantize_act_sm90', 'w4a4_linear']
+__all__ = ['BACKENDS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'config_key', 'config_from_key', 'why_not_sm90', 'plan',
+           'weights', 'lora_down_t', 'quantize_act_ref', 'quantize_act_sm90', 'w4a4_linear']
 
 # %% ../nbs/08c_ops.ipynb #cd7d0487
 BACKENDS = ("auto", "reference", "sm90")
@@ -26,16 +27,27 @@ LAYER_DTYPES = (torch.bfloat16, torch.float16)
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WEIGHT_FORMATS = ("int4", "nvfp4", "int4_pg")       # what the residual weight can be stored as
 
-_CONFIGS: dict = {}
-
 def config_key(config) -> str:
-    "The string that names kernel config `config` to `w4a4::linear` (`''` for None: the format's default kernel); registers it."
+    "The string that names kernel config `config` to `w4a4::linear`: its repr (`''` for None: the format's default kernel)."
     if config is None:
         return ""
     gemm.spec_for(config)              # raises naming `config` unless it is a registered kernel's config
-    key = repr(config)
-    _CONFIGS[key] = config
-    return key
+    return repr(config)
+
+@functools.lru_cache(maxsize=None)
+def config_from_key(key: str):
+    """The kernel config that `config_key` named `key` (None for `''`), rebuilt from the repr alone. NOTES: no registry
+    of configs, because a registry can go stale: a process that imports this module twice (a doc renderer does)
+    re-registers the op with the second module's functions, and a config registered with the first is then unknown."""
+    if not key:
+        return None
+    classes = {s.config.__name__: s.config for s in gemm.REGISTRY.values()}
+    try:
+        call = ast.parse(key, mode="eval").body
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args): raise ValueError
+        return classes[call.func.id](**{k.arg: ast.literal_eval(k.value) for k in call.keywords})
+    except (SyntaxError, ValueError, KeyError, TypeError):
+        fail(ValueError, "config", f"{key!r} names no kernel config; pass config_key(config)")
 
 # %% ../nbs/08c_ops.ipynb #d84cf382
 def why_not_sm90(x, problem: Problem, config=None) -> Optional[str]:
@@ -65,7 +77,7 @@ def plan(x, problem: Problem, config: str = "") -> tuple:
     "`(why_not_sm90, kernel config)` for `problem` on `x`'s device with config key `config`; the config is None when none can run. Cached."
     key = (x.device, problem, config)
     if key not in _PLANS:
-        cfg = _CONFIGS.get(config)
+        cfg = config_from_key(config)
         reason = why_not_sm90(x, problem, cfg)
         _PLANS[key] = (reason, None if reason else cfg or _default_config(problem))
     return _PLANS[key]
@@ -126,8 +138,7 @@ def _check_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight
         fail(ValueError, "act_fmt", f"{act_fmt!r} cannot pair with fmt={fmt!r}; allowed (act, wgt): {OPERAND_PAIRS}")
     if backend not in BACKENDS:
         fail(ValueError, "backend", f"{backend!r} must be one of {BACKENDS}")
-    if config and config not in _CONFIGS:
-        fail(ValueError, "config", f"{config!r} is not a registered kernel config; pass config_key(config)")
+    config_from_key(config)                          # raises naming `config` unless it names a kernel config
     if x.dtype not in INPUT_DTYPES:
         fail(TypeError, "x", f"must have dtype in {INPUT_DTYPES}, not {x.dtype}")
     if x.dim() != 2 or x.shape[1] != 2 * qweight_data.shape[1]:
@@ -147,7 +158,7 @@ def _kernel(backend: str, x, problem: Problem, config: str):
     if backend == "reference":
         return None
     if backend == "sm90":
-        return _CONFIGS.get(config) or _default_config(problem)
+        return config_from_key(config) or _default_config(problem)
     return plan(x, problem, config)[1]
 
 # %% ../nbs/08c_ops.ipynb #2d39e65e
