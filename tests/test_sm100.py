@@ -166,14 +166,18 @@ def test_ptxas_where_available(reports, cg, R, acct):
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0
 
 
-def test_cli_compiles_the_pair(tmp_path):
+@pytest.mark.parametrize("kernel, report, in_ptx", [
+    ("v1", ("TMEM columns", "tcgen05.mma (block-scaled)"), "cta_group::2"),
+    ("v2", ("TMEM columns: 304 used", "tcgen05.mma (block-scaled) 4"), "kind::mxf4nvf4.block_scale")])
+def test_cli_compiles_the_pair(tmp_path, kernel, report, in_ptx):
+    "`w4a4-book compile v1|v2 --arch sm_100a --fmt nvfp4 --cta-group 2 --ptx FILE` in a subprocess, as a reader runs it."
     ptx = tmp_path / "k.ptx"
     main = "import sys; from w4a4_book.cli import main; sys.exit(main(sys.argv[1:]))"
-    r = subprocess.run([sys.executable, "-c", main, "compile", "v1", "--arch", "sm_100a", "--fmt", "nvfp4",
+    r = subprocess.run([sys.executable, "-c", main, "compile", kernel, "--arch", "sm_100a", "--fmt", "nvfp4",
                         "--cta-group", "2", "--ptx", str(ptx)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "TMEM columns" in r.stdout and "tcgen05.mma (block-scaled)" in r.stdout
-    assert "cta_group::2" in ptx.read_text(errors="replace")
+    assert all(x in r.stdout for x in report)
+    assert in_ptx in ptx.read_text(errors="replace")
 
 
 # ---------------------------------------------------------------- bad input, before any launch
@@ -307,14 +311,6 @@ def test_v2_ptxas_where_available(reports, key):
     assert res["registers"] <= v2.ROLES.max_registers
 
 
-def test_cli_compiles_v2(tmp_path):
-    ptx = tmp_path / "k.ptx"
-    main = "import sys; from w4a4_book.cli import main; sys.exit(main(sys.argv[1:]))"
-    r = subprocess.run([sys.executable, "-c", main, "compile", "v2", "--arch", "sm_100a", "--fmt", "nvfp4",
-                        "--cta-group", "2", "--ptx", str(ptx)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "TMEM columns: 304 used" in r.stdout and "tcgen05.mma (block-scaled) 4" in r.stdout
-    assert "kind::mxf4nvf4.block_scale" in ptx.read_text(errors="replace")
 
 
 def test_v2_is_registered_opt_in():
