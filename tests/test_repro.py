@@ -250,3 +250,27 @@ def test_accounting_modes_match_reference():
         gemm.gemm_w4a4(*case, config=config, out=out)
         torch.cuda.synchronize()
         check_against_ref(out, case, torch.bfloat16)
+
+
+def test_measure_ladder_rows_with_a_fake_gpu(monkeypatch):
+    "The ladder's bookkeeping on the CPU: every rung per layer, the pg format's missing v1 rungs said, not timed."
+    from w4a4_book.reference import w4a4_gemm_ref
+    seen = []
+
+    def fake_launcher(*ops, out_dtype, config):
+        seen.append(config)
+        out = torch.empty(ops[0].rows, ops[1].rows, dtype=out_dtype)
+        def launch(): out.copy_(w4a4_gemm_ref(*ops))
+        launch.ms = 1.0 + len(seen)
+        return launch, out
+
+    real_make_workload = workloads.make_workload
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(workloads, "make_workload", lambda *a, **k: real_make_workload(*a, device="cpu", **k))
+    monkeypatch.setattr(timing, "time_cuda", lambda fn, **k: timing.summarize_times([fn.ms] * k["iters"]))
+    monkeypatch.setattr(gemm, "gemm_launcher", fake_launcher)
+    rows = repro.measure_ladder("int4_pg", [(256, 256, 256, 128)], iters=5, quiet=True)
+    assert [r["rung"] for r in rows] == [n for n, _ in repro.LADDER["int4_pg"]]
+    assert [r["tflops"] is None for r in rows] == [True, True, False, False, False]
+    assert seen == [c for _, c in repro.LADDER["int4_pg"] if c is not None]
+    assert "not built" in repro.ladder_table(rows) and all(r["rel_err"] < 2 ** -8 for r in rows if r["tflops"])

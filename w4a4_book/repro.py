@@ -4,12 +4,13 @@
 
 # %% auto #0
 __all__ = ['BUG', 'FIX', 'LORA_BUG_RANKS', 'LORA_BUG_PROBLEMS', 'LORA_BUG_CONFIG', 'LORA_BUG_CONFIGS', 'PHANTOM',
-           'LORA_BUG_FORMATS', 'config_label', 'row_config', 'accounting_rows', 'measure_lora_bug', 'measure_lora_grid',
-           'lora_bug_summary', 'worst_case', 'lora_bug_table', 'plot_lora_bug', 'recorded_report', 'add_arguments',
-           'run']
+           'LADDER_PROBLEMS', 'LADDER', 'LORA_BUG_FORMATS', 'config_label', 'row_config', 'accounting_rows',
+           'measure_lora_bug', 'measure_lora_grid', 'lora_bug_summary', 'worst_case', 'lora_bug_table', 'plot_lora_bug',
+           'measure_ladder', 'ladder_table', 'recorded_report', 'add_arguments', 'run_ladder', 'run']
 
 # %% ../nbs/06_lora_bug.ipynb #aa812ec0
 import argparse
+import math
 from dataclasses import replace
 from pathlib import Path
 import w4a4_book.smem as smem
@@ -182,6 +183,53 @@ def plot_lora_bug(rows, path=None, title="2-CTA pairs: LoRA accounting"):
     if path is not None: fig.savefig(path)
     return fig
 
+# %% ../nbs/06_lora_bug.ipynb #7882ad64
+LADDER_PROBLEMS = tuple(workloads.bench_problems("m4352", ranks=(128,)))   # the rank at which the charge costs stages
+LADDER = {   # per format, the rungs of the story: (name, config), None where the format has no such kernel yet
+    "int4": (("v1", smem.HopperV1Config()), ("v1 naive pair, historical charge", smem.HopperV1Config(cluster_n=2, lora_accounting=BUG)),
+             ("v2", smem.HopperV2Config()), ("v2 pair, historical charge", replace(LORA_BUG_CONFIG, lora_accounting=BUG)),
+             ("v2 pair, fixed", LORA_BUG_CONFIG)),
+    "int4_pg": (("v1", None), ("v1 naive pair, historical charge", None), ("v2", smem.HopperPgConfig(tile_m=128)),
+                ("v2 pair, historical charge", replace(LORA_BUG_CONFIGS[1], lora_accounting=BUG)), ("v2 pair, fixed", LORA_BUG_CONFIGS[1])),
+}
+
+def measure_ladder(fmt: str = "int4", problems=LADDER_PROBLEMS, *, iters=30, warmup=5, quiet=False):
+    "Every rung of `LADDER[fmt]` on each `(M, N, K, R)`, in one run: one row per (rung, problem), with its stages and timing."
+    import torch
+    from w4a4_book.reference import w4a4_gemm_dequant
+    if fmt not in LADDER: raise ValueError(f"fmt={fmt!r}: the ladder is built for {sorted(LADDER)}")
+    gpu, rows = torch.cuda.get_device_name(), []
+    for M, N, K, R in problems:
+        w = workloads.make_workload(M, N, K, R, fmt=fmt)
+        ref = w4a4_gemm_dequant(*w.operands)
+        for step, (rung, cfg) in enumerate(LADDER[fmt]):
+            row = dict(fmt=fmt, step=step, rung=rung, M=M, N=N, K=K, R=R)
+            if cfg is None:
+                rows.append({**row, "tflops": None, "note": f"no {rung.split()[0]} kernel computes {fmt} yet"})
+                continue
+            stages = smem.solve(gemm.bind(cfg, w.problem), k=K).stages["main"]
+            rows.append({**row, "config": config_label(cfg), "main_stages": stages, **_time_build(w, cfg, ref, gpu, iters, warmup)})
+            if not quiet: print(f"{fmt} {rung} {M}x{N}x{K} R={R}: {stages} stages, {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
+    return rows
+
+def ladder_table(rows) -> str:
+    "The ladder as Markdown: per rung, TFLOP/s and MFU on each layer, and its geometric-mean gain over the rung before it."
+    rungs = sorted({(r["fmt"], r["step"], r["rung"]) for r in rows})
+    layers = list(dict.fromkeys((r["N"], r["K"]) for r in rows))
+    at = {(r["fmt"], r["step"], r["N"], r["K"]): r for r in rows}
+    out, prev = [], {}
+    for fmt, step, rung in rungs:
+        tf = [at[fmt, step, n, k]["tflops"] for n, k in layers]
+        row = {"format": fmt, "rung": rung, **{f"{n}×{k}": "—" if t is None else round(t) for (n, k), t in zip(layers, tf)}}
+        built = None not in tf
+        row["MFU"] = "not built" if not built else f"{min(at[fmt, step, n, k]['mfu'] for n, k in layers):.1%}–{max(at[fmt, step, n, k]['mfu'] for n, k in layers):.1%}"
+        before = prev.get(fmt)
+        row["over the rung before"] = (f"{math.prod(a / b for a, b in zip(tf, before)) ** (1 / len(tf)):.2f}×"
+                                       if built and before else "—")
+        if built: prev[fmt] = tf
+        out.append(row)
+    return records.markdown_table(out)
+
 # %% ../nbs/06_lora_bug.ipynb #80764e78
 def recorded_report() -> str:
     "Every recorded LoRA accounting measurement in `nbs/data/`, labelled recorded, with its provenance and re-measure command."
@@ -191,9 +239,11 @@ LORA_BUG_FORMATS = {"int4": LORA_BUG_CONFIGS[:1], "int4_pg": LORA_BUG_CONFIGS[1:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     "Options of `w4a4-book repro`."
-    p.add_argument("experiment", choices=["lora-bug"], help="which experiment to reproduce")
+    p.add_argument("experiment", choices=["lora-bug", "ladder"],
+                   help="lora-bug: the accounting experiment; ladder: the story's rungs, v1 to v2 fixed, on one format")
     p.add_argument("--fmt", default="all", choices=list(LORA_BUG_FORMATS),
-                   help="which kernels: int4 (v2, the story's), int4_pg (the exact-integer v2, tiles 128 and 256) or all (default)")
+                   help="which kernels: int4 (v2, the story's), int4_pg (the exact-integer v2, tiles 128 and 256) or all "
+                        "(default; the ladder takes int4 for all)")
     p.add_argument("--ranks", nargs="+", type=int, default=list(LORA_BUG_RANKS), help="LoRA ranks (default: 32 64 128 256)")
     p.add_argument("--iters", type=int, default=30, help="timed runs per kernel, median reported (default: 30)")
     p.add_argument("--out", default=None, help="JSON record to write (default: nbs/data/lora_bug_<gpu>.json)")
@@ -205,8 +255,28 @@ def _command(args) -> str:
     opts += [f"--iters {args.iters}"] if args.iters != 30 else []
     return " ".join(["w4a4-book repro lora-bug", *opts])
 
+def run_ladder(args) -> int:
+    "`repro ladder`: measure the story's rungs on an sm_90 GPU and save the record; elsewhere print the recorded ladders."
+    fmt = "int4" if args.fmt == "all" else args.fmt
+    why_not = workloads.kernel_unavailable(LORA_BUG_CONFIG)
+    if why_not is not None:
+        print(f"Nothing is measured here ({why_not}). Recorded ladders follow.\n")
+        print(report.recorded_report("ladder", ladder_table))
+        return 0
+    import torch
+    rows = measure_ladder(fmt, iters=args.iters)
+    gpu = torch.cuda.get_device_name()
+    path = Path(args.out or records.data_dir() / f"ladder_{gpu.split()[-1].lower()}_{fmt}.json")
+    command = f"w4a4-book repro ladder --fmt {fmt}" + (f" --iters {args.iters}" if args.iters != 30 else "")
+    records.save_record(path, records.provenance(command, [list(p) for p in LADDER_PROBLEMS]), rows)
+    print(ladder_table(rows))
+    print(f"saved {path}")
+    return 0
+
 def run(args) -> int:
     "Measure on an sm_90 GPU and save JSON + PNG; elsewhere print the solver's accounting and the recorded rows."
+    if args.experiment == "ladder":
+        return run_ladder(args)
     print(f"pair is the bug, per_cta the fix: {PHANTOM}.\n")
     print("Solver accounting (computed now; no GPU needed):")
     print(records.markdown_table(accounting_rows(tuple(args.ranks))))
