@@ -209,7 +209,19 @@ def test_recorded_sweep_commands_still_parse():
 
 
 # ---------------------------------------------------------------- the GPU path, with the GPU faked
-def test_measure_lora_bug_rows_with_a_fake_gpu(monkeypatch):
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    "Install a fake H200: workloads on the CPU, `launcher` for `gemm.gemm_launcher`, a timer that reads each launch's `ms`."
+    real_make_workload = workloads.make_workload
+    def install(launcher):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+        monkeypatch.setattr(workloads, "make_workload", lambda *a, **k: real_make_workload(*a, device="cpu", **k))
+        monkeypatch.setattr(timing, "time_cuda", lambda fn, **k: timing.summarize_times([fn.ms] * k["iters"]))
+        monkeypatch.setattr(gemm, "gemm_launcher", launcher)
+    return install
+
+
+def test_measure_lora_bug_rows_with_a_fake_gpu(fake_gpu):
     "The measurement's bookkeeping on the CPU: the kernel and the timer are stand-ins, everything else is real."
     from w4a4_book.reference import w4a4_gemm_ref
     ms = {repro.BUG: 2.0, repro.FIX: 1.0}
@@ -222,11 +234,7 @@ def test_measure_lora_bug_rows_with_a_fake_gpu(monkeypatch):
         launch.ms = ms[config.lora_accounting]
         return launch, out
 
-    real_make_workload = workloads.make_workload
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    monkeypatch.setattr(workloads, "make_workload", lambda *a, **k: real_make_workload(*a, device="cpu", **k))
-    monkeypatch.setattr(timing, "time_cuda", lambda fn, **k: timing.summarize_times([fn.ms] * k["iters"]))
-    monkeypatch.setattr(gemm, "gemm_launcher", fake_launcher)
+    fake_gpu(fake_launcher)
     rows = repro.measure_lora_bug([(128, 256, 256, 128)], iters=20, quiet=True)
     assert [r["accounting"] for r in rows] == [repro.BUG, repro.FIX]
     assert [r["main_stages"] for r in rows] == [1, 2]          # K=256: two K-blocks cap the fix at 2
@@ -252,7 +260,7 @@ def test_accounting_modes_match_reference():
         check_against_ref(out, case, torch.bfloat16)
 
 
-def test_measure_ladder_rows_with_a_fake_gpu(monkeypatch):
+def test_measure_ladder_rows_with_a_fake_gpu(fake_gpu):
     "The ladder's bookkeeping on the CPU: every rung per layer, the pg format's missing v1 rungs said, not timed."
     from w4a4_book.reference import w4a4_gemm_ref
     seen = []
@@ -264,11 +272,7 @@ def test_measure_ladder_rows_with_a_fake_gpu(monkeypatch):
         launch.ms = 1.0 + len(seen)
         return launch, out
 
-    real_make_workload = workloads.make_workload
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    monkeypatch.setattr(workloads, "make_workload", lambda *a, **k: real_make_workload(*a, device="cpu", **k))
-    monkeypatch.setattr(timing, "time_cuda", lambda fn, **k: timing.summarize_times([fn.ms] * k["iters"]))
-    monkeypatch.setattr(gemm, "gemm_launcher", fake_launcher)
+    fake_gpu(fake_launcher)
     rows = repro.measure_ladder("int4_pg", [(256, 256, 256, 128)], iters=5, quiet=True)
     assert [r["rung"] for r in rows] == [n for n, _ in repro.LADDER["int4_pg"]]
     assert [r["tflops"] is None for r in rows] == [True, True, False, False, False]
