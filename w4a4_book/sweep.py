@@ -84,7 +84,11 @@ def curve_label(key) -> str:
 
 def sweep_marks(rows, cluster_n=2):
     "The solver's picks under each mode for every curve of `rows` with `cluster_n` CTAs: `plot_sweep`'s `marks`."
-    return {k: solver_marks(curve_config(k), Problem(*k[1:5])) for k in curves(rows) if k[5] == cluster_n}
+    marks = {}
+    for k in (k for k in curves(rows) if k[5] == cluster_n):
+        config = curve_config(k)
+        marks[k] = solver_marks(config, gemm.example_problem(gemm.spec_for(config), *k[1:5]))   # the format's own scale type
+    return marks
 
 # %% ../nbs/07_pipeline_depth.ipynb #11cbbb90
 def sweep_summary(rows):
