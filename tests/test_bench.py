@@ -214,6 +214,9 @@ def test_pg_methods_and_default_sets():
         "w4a4_pg_pure": (PG_KERNEL, ("int4_pg",), False, True),
         "w4a4_pg_smem": (KernelRef("int4_pg", "v2", "smem"), ("int4_pg",), True, True),
         "w4a4_pg_128": (KernelRef("int4_pg", "v2", fields=(("tile_m", 128),)), ("int4_pg",), True, True),
+        "w4a4_pg_epi1": (KernelRef("int4_pg", "v2", fields=(("epi_stages", 1),)), ("int4_pg",), True, True),
+        "w4a4_pg_pure_2cta": (KernelRef("int4_pg", "v2", fields=(("cluster_n", 2),)), ("int4_pg",), False, True),
+        "w4a4_pg_v1": (KernelRef("int4_pg", "v1", fields=(("tile_m", 128),)), ("int4_pg",), True, True),
         "w4a8": (PG_KERNEL, ("int8",), True, True)}
     assert default_methods() == default_methods("nvfp4") == list(METHODS)
     assert default_methods("int4_pg") == ["torch_bf16", "torch_fp8_rowwise", "torch_fp8_gemm", "cute_int8_gemm",
@@ -266,9 +269,10 @@ def test_pg_methods_reach_the_kernel_on_cpu(monkeypatch):
         out = m.build(w)()
         config, p = compiled[-1]
         assert gemm.spec_for(config).fmt == spec.fmt == "int4_pg" and out.shape == (256, 512)
-        assert (p.fmt, p.act_fmt, p.R, p.out_dtype) == ("int4_pg", m.fmts[0], 0 if m.name == "w4a4_pg_pure" else 32,
-                                                       torch.float16 if m.name == "w4a4_pg_pure" else torch.bfloat16)
-        assert gemm.cluster_size(config) == (2 if m.name == "w4a4_pg_2cta" else 1)
+        pure = "pure" in m.name
+        assert (p.fmt, p.act_fmt, p.R, p.out_dtype) == ("int4_pg", m.fmts[0], 0 if pure else 32,
+                                                       torch.float16 if pure else torch.bfloat16)
+        assert gemm.cluster_size(config) == (2 if "2cta" in m.name else 1)
 
 
 def test_pg_pure_problem_compiles_without_a_gpu():

@@ -5,7 +5,7 @@ from w4a4_book import gemm
 from w4a4_book.formats import quantize
 from w4a4_book.operands import Problem
 from w4a4_book.reference import w4a4_gemm_exact
-from w4a4_book.smem import HopperPgConfig, HopperPgSmemConfig
+from w4a4_book.smem import HopperPgConfig, HopperPgSmemConfig, HopperPgV1Config
 
 
 def pg_problem(M, N, K, R=32, out_dtype=torch.bfloat16):
@@ -23,6 +23,12 @@ def test_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
 def test_decode_warpgroup_variant_compiles(kw, R):
     rep = gemm.compile_kernel(HopperPgSmemConfig(**kw), pg_problem(4352, 3072, 3840, R))
     check_compiled(rep, R, a_in_registers=False)
+
+
+@pytest.mark.parametrize("kw, R", [({}, 32), (dict(cluster_n=2, tile_m=128, lora_accounting="pair"), 128), ({}, 0)])
+def test_v1_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
+    rep = gemm.compile_kernel(HopperPgV1Config(**kw), pg_problem(4352, 3072, 3840, R))
+    check_compiled(rep, R, a_in_registers=True)
 
 
 def check_compiled(rep, R, a_in_registers):
@@ -123,6 +129,33 @@ def test_decode_warpgroup_variant_matches_exact_reference(M, N, K, R, cluster_n)
     gemm.gemm_w4a4(*case, config=HopperPgSmemConfig(cluster_n=cluster_n), out=out)
     torch.cuda.synchronize()
     check_exact(out, case, torch.bfloat16)
+
+
+V1_GRID = [  # M, N, K, R, cluster_n, tile_m: K = 256 has fewer K-blocks than stages (no refill at all)
+    (300, 512, 1024, 128, 1, 256), (777, 3840, 256, 32, 1, 128), (513, 3072, 2048, 64, 2, 128),
+    (4352, 3072, 3840, 128, 2, 128), (257, 2048, 640, 0, 1, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K, R, cluster_n, tile_m", V1_GRID)
+def test_v1_matches_exact_reference(M, N, K, R, cluster_n, tile_m):
+    case = make_pg_case(M, N, K, R, seed=M + N + R)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm.gemm_w4a4(*case, config=HopperPgV1Config(cluster_n=cluster_n, tile_m=tile_m), out=out)
+    torch.cuda.synchronize()
+    check_exact(out, case, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_v1_two_stages_and_several_m_through_one_kernel():
+    cfg = HopperPgV1Config(stages=2, tile_m=128)             # two stages: every refill lands in the stage the next block waits on
+    before = len(gemm._compiled)
+    for M in (1, 300, 4352):
+        case = make_pg_case(M, 512, 2048, 32, seed=M)
+        out = gemm.gemm_w4a4(*case, config=cfg)
+        torch.cuda.synchronize()
+        check_exact(out, case, torch.bfloat16)
+    assert len(gemm._compiled) - before == 1
 
 
 @pytest.mark.gpu

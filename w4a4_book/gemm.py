@@ -62,6 +62,8 @@ register(KernelSpec("sm_90a", "v1", "int4", "promote", smem.HopperV1Config, "w4a
                     "one CTA per tile, every warp runs the same loop (chapter 4)"))
 register(KernelSpec("sm_90a", "v2", "int4", "promote", smem.HopperV2Config, "w4a4_book.kernels.sm90_v2", "W4A4GemmV2",
                     "FlashAttention-4's skeleton: warp roles, persistent, 2-CTA (chapter 5)"))
+register(KernelSpec("sm_90a", "v1", "int4_pg", "rs", smem.HopperPgV1Config, "w4a4_book.kernels.sm90_pg", "W4A4GemmPgV1",
+                    "v1 on the exact-integer mainloop: one CTA per tile, no load warp, MMA warp 0 refills the ring (chapter 5b)"))
 register(KernelSpec("sm_90a", "v2", "int4_pg", "rs", smem.HopperPgConfig, "w4a4_book.kernels.sm90_pg", "W4A4GemmPg",
                     "v2's skeleton, exact-integer mainloop: weights decoded into INT8 wgmma's A registers (chapter 5b)"))
 register(KernelSpec("sm_90a", "v2", "int4_pg", "smem", smem.HopperPgSmemConfig, "w4a4_book.kernels.sm90_pg",

@@ -185,11 +185,13 @@ def plot_lora_bug(rows, path=None, title="2-CTA pairs: LoRA accounting"):
 
 # %% ../nbs/06_lora_bug.ipynb #7882ad64
 LADDER_PROBLEMS = tuple(workloads.bench_problems("m4352", ranks=(128,)))   # the rank at which the charge costs stages
-LADDER = {   # per format, the rungs of the story: (name, config), None where the format has no such kernel yet
+LADDER = {   # per format, the rungs of the story: (name, config); a None config is reported as not built
     "int4": (("v1", smem.HopperV1Config()), ("v1 naive pair, historical charge", smem.HopperV1Config(cluster_n=2, lora_accounting=BUG)),
              ("v2", smem.HopperV2Config()), ("v2 pair, historical charge", replace(LORA_BUG_CONFIG, lora_accounting=BUG)),
              ("v2 pair, fixed", LORA_BUG_CONFIG)),
-    "int4_pg": (("v1", None), ("v1 naive pair, historical charge", None), ("v2", smem.HopperPgConfig(tile_m=128)),
+    "int4_pg": (("v1", smem.HopperPgV1Config(tile_m=128)),
+                ("v1 naive pair, historical charge", smem.HopperPgV1Config(tile_m=128, cluster_n=2, lora_accounting=BUG)),
+                ("v2", smem.HopperPgConfig(tile_m=128)),
                 ("v2 pair, historical charge", replace(LORA_BUG_CONFIGS[1], lora_accounting=BUG)), ("v2 pair, fixed", LORA_BUG_CONFIGS[1])),
 }
 

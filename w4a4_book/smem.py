@@ -7,9 +7,9 @@ __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALI
            'STAGE_KINDS', 'LORA_ACCOUNTING', 'GROUP_SIZE', 'PG_GROUP', 'SM100_EPI_TILE', 'PROMOTIONS', 'ABLATIONS',
            'FAMILIES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS', 'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config',
            'BlackwellOrigConfig', 'hopper_v1_terms', 'HopperV2Config', 'hopper_v2_terms', 'HopperPgConfig',
-           'hopper_pg_terms', 'HopperPgSmemConfig', 'hopper_pg_smem_terms', 'blackwell_orig_terms', 'Family',
-           'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms', 'check_config',
-           'Budget', 'solve', 'explain']
+           'hopper_pg_terms', 'HopperPgSmemConfig', 'HopperPgV1Config', 'hopper_pg_smem_terms', 'blackwell_orig_terms',
+           'Family', 'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms',
+           'check_config', 'Budget', 'solve', 'explain']
 
 # %% ../nbs/03_smem.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -261,6 +261,13 @@ class HopperPgSmemConfig(HopperPgConfig):
     family: ClassVar[str] = "hopper_pg_smem"
     mainloop: ClassVar[str] = "smem"
 
+@dataclass(frozen=True)
+class HopperPgV1Config(HopperPgConfig):
+    """v1 on the exact-integer mainloop: one CTA (or one naive pair) per output tile, no load warp; MMA warp 0 also
+    keeps the ring full. Its shared memory is the register-decode kernel's, field for field."""
+    family: ClassVar[str] = "hopper_pg_v1"
+    kernel: ClassVar[str] = "v1"
+
 def hopper_pg_smem_terms(cfg: HopperPgSmemConfig, stages: dict, accounting: str) -> list:
     "The register-decode layout plus the decoded ring: its barriers and `decode_stages` int8 weight tiles."
     D = stages["decode"]
@@ -391,6 +398,8 @@ FAMILIES = {
     # once k+1's has landed: it holds two stages at once, so one stage would wait on itself forever.
     HopperPgConfig: Family(hopper_pg_terms, _check_hopper_pg, archs=("sm_90",), fmt="int4_pg", min_stages=2,
                            given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
+    HopperPgV1Config: Family(hopper_pg_terms, _check_hopper_pg, archs=("sm_90",), fmt="int4_pg", min_stages=2,
+                             given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
     HopperPgSmemConfig: Family(hopper_pg_smem_terms, _check_hopper_pg_smem, archs=("sm_90",), fmt="int4_pg",
                                given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
     BlackwellOrigConfig: Family(blackwell_orig_terms, _check_blackwell_orig, archs=("sm_100",), fmt="nvfp4", fill="epi",

@@ -346,6 +346,9 @@ PG_KERNELS = (kernel_method("w4a4_pg", PG_KERNEL),
               pure_kernel_method("w4a4_pg_pure", PG_KERNEL, out_dtype=torch.float16),
               kernel_method("w4a4_pg_smem", KernelRef("int4_pg", "v2", "smem")),          # the decode-warpgroup mainloop
               kernel_method("w4a4_pg_128", KernelRef("int4_pg", "v2", fields=(("tile_m", 128),))),   # a 128-row activation tile
+              kernel_method("w4a4_pg_epi1", KernelRef("int4_pg", "v2", fields=(("epi_stages", 1),))),  # one output sub-tile in flight: a main stage more
+              pure_kernel_method("w4a4_pg_pure_2cta", KernelRef("int4_pg", "v2", fields=(("cluster_n", 2),)), out_dtype=torch.float16),
+              kernel_method("w4a4_pg_v1", KernelRef("int4_pg", "v1", fields=(("tile_m", 128),))),       # v1 on the same mainloop
               kernel_method("w4a8", PG_KERNEL, fmts=("int8",)))
 _GEMM_CEILINGS = ("torch_bf16", "torch_fp8_rowwise", "torch_fp8_gemm", "cute_int8_gemm")
 DEFAULT_METHODS = {"int4": tuple(METHODS), "nvfp4": tuple(METHODS),

@@ -4,8 +4,9 @@
 
 # %% auto #0
 __all__ = ['TILE_N', 'TILE_K', 'WORDS_W', 'WORDS_U', 'LOW', 'HIGH', 'FLIP', 'EIGHTS', 'PG_ROLES', 'DECODE', 'SMEM_ROLES',
-           'prepack_weights', 'decode_word_ref', 'PgTensors', 'pg_arguments', 'pg_tensors', 'PgLoads', 'PgLayouts',
-           'W4A4GemmPg', 'PgMmas', 'PgVectors', 'PgCta', 'mad_hi_u32', 'fence_operand', 'W4A4GemmPgSmem']
+           'PG_V1_ROLES', 'prepack_weights', 'decode_word_ref', 'PgTensors', 'pg_arguments', 'pg_tensors', 'PgLoads',
+           'PgLayouts', 'W4A4GemmPg', 'PgMmas', 'PgVectors', 'PgCta', 'PgTileCopies', 'mad_hi_u32', 'fence_operand',
+           'W4A4GemmPgSmem', 'W4A4GemmPgV1']
 
 # %% ../../nbs/05b_pg.ipynb #bf3d93c4
 import weakref
@@ -152,6 +153,7 @@ class W4A4GemmPg:
     name = "sm90 v2 int4_pg"
     roles = PG_ROLES
     static_m = False                   # M is read at run time: one compilation serves every M
+    persistent = True                  # one CTA per SM walking the schedule (False: one CTA per output tile)
     arguments = staticmethod(pg_arguments)
     tensors = staticmethod(pg_tensors)
 
@@ -251,7 +253,8 @@ def __call__(self: W4A4GemmPg, mA: cute.Tensor, mBaseA: cute.Tensor, mWq: cute.T
     M, N = cute.size(mC, mode=[0]), cute.size(mC, mode=[1])
     self.scheduler = self.Scheduler((M + self.bm - 1) // self.bm, N // (self.bn * mc), mc)
     self.k_tiles = cute.size(mA, mode=[1]) // self.bk
-    clusters = cutlass.min(self.scheduler.m_tiles * self.scheduler.n_ctiles, self.num_sms // mc)
+    tiles = self.scheduler.m_tiles * self.scheduler.n_ctiles
+    clusters = cutlass.min(tiles, self.num_sms // mc) if self.persistent else tiles
     self.kernel(loads, PgVectors(mBaseA, mBaseW, mWcs, mBias), self.mmas, self.layouts, M).launch(
         grid=(clusters * mc, 1, 1), block=[self.threads, 1, 1], cluster=(mc, 1, 1), stream=stream)
 
@@ -306,13 +309,30 @@ def kernel(self: W4A4GemmPg, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layo
             tx_count=self.tx_lora, cta_layout_vmnk=cluster, defer_sync=True)
     pipeline_init_arrive(cluster_shape_mn=(mc, 1), is_relaxed=True)
     pipeline_init_wait(cluster_shape_mn=(mc, 1))
+    if cutlass.const_expr(roles.first_worker_warp == 0):  # no load warpgroup (v1): every warp runs the MMA role
+        self.mma_role(st, loads, vecs, mmas, layouts, (load_pipe, dec_pipe), lora_pipe, tidx % 128,
+                      cute.arch.make_warp_uniform(tidx // 128), cta, M)
+    else:
+        self.roles_of(st, loads, vecs, mmas, layouts, (load_pipe, dec_pipe), lora_pipe, cta, M)
+    if cutlass.const_expr(mc > 1):
+        cute.arch.cluster_arrive()          # no CTA leaves while its peer may still multicast into it
+        cute.arch.cluster_wait()
+
+@patch
+@cute.jit
+def roles_of(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layouts: PgLayouts, pipes, lora_pipe,
+             cta: PgCta, M):
+    "Warp specialisation: the load warpgroup gives up registers and its warp 0 loads; decode warps decode; the MMA warpgroups take the registers and compute."
+    roles, (load_pipe, dec_pipe) = self.roles, pipes
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    tidx, _, _ = cute.arch.thread_idx()
     if warp_idx < roles.first_worker_warp:
         cute.arch.warpgroup_reg_dealloc(roles.load_regs)
         if warp_idx == roles.load_warp:
             self.load(st, loads, layouts, load_pipe, lora_pipe, cta)
     else:
         is_mma = True
-        if cutlass.const_expr(n_dec > 0):                # only a decode-warpgroup mainloop has these warps
+        if cutlass.const_expr(len(roles.decode_warps) > 0):    # only a decode-warpgroup mainloop has these warps
             is_mma = warp_idx >= roles.first_mma_warp
             if not is_mma:
                 cute.arch.warpgroup_reg_dealloc(roles.decode_regs)
@@ -320,11 +340,7 @@ def kernel(self: W4A4GemmPg, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layo
         if is_mma:
             cute.arch.warpgroup_reg_alloc(roles.mma_regs)
             t = tidx - 32 * roles.first_mma_warp
-            self.mma_role(st, loads, vecs, mmas, layouts, (load_pipe, dec_pipe), lora_pipe, t % 128,
-                          cute.arch.make_warp_uniform(t // 128), cta, M)
-    if cutlass.const_expr(mc > 1):
-        cute.arch.cluster_arrive()          # no CTA leaves while its peer may still multicast into it
-        cute.arch.cluster_wait()
+            self.mma_role(st, loads, vecs, mmas, layouts, pipes, lora_pipe, t % 128, cute.arch.make_warp_uniform(t // 128), cta, M)
 
 # %% ../../nbs/05b_pg.ipynb #2bf71b18
 @patch
@@ -334,43 +350,85 @@ def decoded_ring(self: W4A4GemmPg, st):
     return None
 
 # %% ../../nbs/05b_pg.ipynb #10e789db
+@kernel_bundle
+class PgTileCopies(NamedTuple):
+    "One tile's TMA views: (TMA, K_TILES) global and (TMA, STAGE) shared, for the packed weights, u and activations."
+    gW: object; sW: object; gU: object; sU: object; gA: object; sA: object
+    mask: object         # the pair's multicast mask for the activation tile
+
+@patch
+@cute.jit
+def tile_copies(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, rank, m, n) -> PgTileCopies:
+    "The TMA views of output tile `(m, n)` for CTA `rank` of its cluster."
+    sW, sU = st.w_packed.get_tensor(layouts.w_packed), st.w_u.get_tensor(layouts.w_u)
+    sA = st.act.get_tensor(layouts.act.outer, swizzle=layouts.act.inner)        # (BM, BK, S)
+    one = cute.make_layout(1)
+    tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(loads.w, 0, one, cute.group_modes(sW, 0, 2),
+                                                  cute.group_modes(loads.w_g[(None, None, None, n)], 0, 2))
+    tUsU, tUgU = cute.nvgpu.cpasync.tma_partition(loads.u, 0, one, sU, loads.u_g[(None, None, n)])
+    tAsA, tAgA = tma_split(loads.a, sA, cute.local_tile(loads.a_g, (self.bm, self.bk), (m, None)), rank, self.cluster_n)
+    mask = cute.make_layout_image_mask(cute.make_layout((1, self.cluster_n, 1)), (0, rank, 0), mode=1)
+    return PgTileCopies(tWgW, tWsW, tUgU, tUsU, tAgA, tAsA, mask)
+
+@patch
+@cute.jit
+def load_block(self: W4A4GemmPg, loads: PgLoads, load_pipe, prod, c: PgTileCopies, k):
+    "Wait until stage `prod.index` is free, then TMA K-block `k` of the tile into it: the weights' box, their u, the activations."
+    load_pipe.producer_acquire(prod)
+    bar = load_pipe.producer_get_barrier(prod)
+    cute.copy(loads.w, c.gW[(None, k)], c.sW[(None, prod.index)], tma_bar_ptr=bar)
+    cute.copy(loads.u, c.gU[(None, k)], c.sU[(None, prod.index)], tma_bar_ptr=bar)
+    cute.copy(loads.a, c.gA[(None, k)], c.sA[(None, prod.index)], tma_bar_ptr=bar, mcast_mask=c.mask)
+
+@patch
+@cute.jit
+def load_lora(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, lora_pipe, lprod, rank, m, n):
+    "The LoRA blocks of tile `(m, n)` into LoRA stage `lprod.index`: activation rows split across a pair and multicast."
+    bm, bn, R = self.bm, self.bn, self.lora_rank
+    sLA = st.lora_act.get_tensor(layouts.lora_act.outer, swizzle=layouts.lora_act.inner)   # (BM, R, L)
+    sLU = st.lora_up.get_tensor(layouts.lora_up.outer, swizzle=layouts.lora_up.inner)      # (BN, R, L)
+    tLsA, tLgA = tma_split(loads.la, sLA, cute.local_tile(loads.la_g, (bm, R), (m, None)), rank, self.cluster_n)
+    tLsU, tLgU = tma_split(loads.lu, sLU, cute.local_tile(loads.lu_g, (bn, R), (n, None)))
+    mask = cute.make_layout_image_mask(cute.make_layout((1, self.cluster_n, 1)), (0, rank, 0), mode=1)
+    lora_pipe.producer_acquire(lprod)
+    lbar = lora_pipe.producer_get_barrier(lprod)
+    cute.copy(loads.la, tLgA[(None, 0)], tLsA[(None, lprod.index)], tma_bar_ptr=lbar, mcast_mask=mask)
+    cute.copy(loads.lu, tLgU[(None, 0)], tLsU[(None, lprod.index)], tma_bar_ptr=lbar)
+
 @patch
 @cute.jit
 def load(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, load_pipe, lora_pipe, cta: PgCta):
     "Warp 0: for each tile, every K-block of packed weights, u and activations, then the LoRA blocks."
-    bm, bn, bk, R, mc = self.bm, self.bn, self.bk, self.lora_rank, self.cluster_n
-    rank, sched = cta.rank, cta.sched
-    sW, sU = st.w_packed.get_tensor(layouts.w_packed), st.w_u.get_tensor(layouts.w_u)
-    sA = st.act.get_tensor(layouts.act.outer, swizzle=layouts.act.inner)        # (BM, BK, S)
-    mask = cute.make_layout_image_mask(cute.make_layout((1, mc, 1)), (0, rank, 0), mode=1)
-    if cutlass.const_expr(R > 0):
-        sLA = st.lora_act.get_tensor(layouts.lora_act.outer, swizzle=layouts.lora_act.inner)   # (BM, R, L)
-        sLU = st.lora_up.get_tensor(layouts.lora_up.outer, swizzle=layouts.lora_up.inner)      # (BN, R, L)
-    one = cute.make_layout(1)
     prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
     lprod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.lstages)
     for i in cutlass.range(cta.my_tiles, unroll=1):
-        m, n = sched.tile_mn(i, rank, cta.cluster_id, cta.n_clusters)
-        # (TMA, K_TILES) views of this tile's packed weight blocks, u words and activation rows
-        tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(loads.w, 0, one, cute.group_modes(sW, 0, 2),
-                                                      cute.group_modes(loads.w_g[(None, None, None, n)], 0, 2))
-        tUsU, tUgU = cute.nvgpu.cpasync.tma_partition(loads.u, 0, one, sU, loads.u_g[(None, None, n)])
-        tAsA, tAgA = tma_split(loads.a, sA, cute.local_tile(loads.a_g, (bm, bk), (m, None)), rank, mc)
+        m, n = cta.sched.tile_mn(i, cta.rank, cta.cluster_id, cta.n_clusters)
+        copies = self.tile_copies(st, loads, layouts, cta.rank, m, n)
         for k in cutlass.range(self.k_tiles, unroll=1):
-            load_pipe.producer_acquire(prod)
-            bar = load_pipe.producer_get_barrier(prod)
-            cute.copy(loads.w, tWgW[(None, k)], tWsW[(None, prod.index)], tma_bar_ptr=bar)
-            cute.copy(loads.u, tUgU[(None, k)], tUsU[(None, prod.index)], tma_bar_ptr=bar)
-            cute.copy(loads.a, tAgA[(None, k)], tAsA[(None, prod.index)], tma_bar_ptr=bar, mcast_mask=mask)
+            self.load_block(loads, load_pipe, prod, copies, k)
             prod.advance()
-        if cutlass.const_expr(R > 0):
-            tLsA, tLgA = tma_split(loads.la, sLA, cute.local_tile(loads.la_g, (bm, R), (m, None)), rank, mc)
-            tLsU, tLgU = tma_split(loads.lu, sLU, cute.local_tile(loads.lu_g, (bn, R), (n, None)))
-            lora_pipe.producer_acquire(lprod)
-            lbar = lora_pipe.producer_get_barrier(lprod)
-            cute.copy(loads.la, tLgA[(None, 0)], tLsA[(None, lprod.index)], tma_bar_ptr=lbar, mcast_mask=mask)
-            cute.copy(loads.lu, tLgU[(None, 0)], tLsU[(None, lprod.index)], tma_bar_ptr=lbar)
+        if cutlass.const_expr(self.lora_rank > 0):
+            self.load_lora(st, loads, layouts, lora_pipe, lprod, cta.rank, m, n)
             lprod.advance()
+
+@patch
+def first_loads(self: W4A4GemmPg, st, loads, layouts, load_pipe, lora_pipe, cta):
+    "What the MMA warps load before their first K-loop: nothing here, the load warp does it all (v1 overrides this)."
+    return None
+
+@patch
+@cute.jit
+def refill(self: W4A4GemmPg, load_pipe, rel, fill):
+    """Under v1 (`fill` not None), MMA warp 0 loads into stage `rel` (just released) the K-block `stages` blocks after
+    it, if the tile has one; with a load warp, nothing."""
+    S = self.stages
+    if cutlass.const_expr(fill is not None):
+        loads, copies, warp = fill
+        if warp == self.roles.load_warp:
+            k = rel.count + S
+            if k < self.k_tiles:
+                # the producer's state for load k: the same slot, and the phase the consumer had S loads earlier
+                self.load_block(loads, load_pipe, pipeline.PipelineState(S, k, rel.index, rel.phase), copies, k)
 
 # %% ../../nbs/05b_pg.ipynb #87fc3d6a
 @dsl_user_op
@@ -425,11 +483,12 @@ def mma_block(self: W4A4GemmPg, mmas, acc, frag, tCrB, stage, first=False):
     cute.nvgpu.warpgroup.commit_group()
 
 @patch
-def block_step(self: W4A4GemmPg, mmas, acc, cur, nxt, tCrB, sWt, sUt, pipe, cons, rel):
-    "Issue the block in `cur`, retire the one before (and free its stage), decode the next into `nxt`; returns the states."
+def block_step(self: W4A4GemmPg, mmas, acc, cur, nxt, tCrB, sWt, sUt, pipe, cons, rel, fill=None):
+    "Issue the block in `cur`, retire the one before (and free its stage, refilling it under v1), decode the next into `nxt`; returns the states."
     self.mma_block(mmas, acc, cur, tCrB, cons.index)
     cute.nvgpu.warpgroup.wait_group(1)                                 # block k-1 is done: its stage and `nxt` are free
     pipe.consumer_release(rel)
+    self.refill(pipe, rel, fill)
     rel.advance()
     cons.advance()
     pipe.consumer_wait(cons)
@@ -439,8 +498,9 @@ def block_step(self: W4A4GemmPg, mmas, acc, cur, nxt, tCrB, sWt, sUt, pipe, cons
 # %% ../../nbs/05b_pg.ipynb #81752ad7
 @patch
 @cute.jit
-def kloop(self: W4A4GemmPg, mmas, acc, F0, F1, tCrB, sWt, sUt, pipe, cons, rel):
-    "Every K-block of one tile into `acc`, with blocks decoded one ahead; on return all wgmmas are done and every stage released."
+def kloop(self: W4A4GemmPg, mmas, acc, F0, F1, tCrB, sWt, sUt, pipe, cons, rel, fill=None):
+    """Every K-block of one tile into `acc`, with blocks decoded one ahead; on return all wgmmas are done and every stage
+    released. `fill` (v1 only: `first_loads`'s answer) lets MMA warp 0 refill each stage it frees."""
     KT, F = self.k_tiles, (F0, F1)
     pipe.consumer_wait(cons)
     self.load_decode(sWt, sUt, F[0], cons.index)
@@ -452,9 +512,9 @@ def kloop(self: W4A4GemmPg, mmas, acc, F0, F1, tCrB, sWt, sUt, pipe, cons, rel):
     steady = KT - 2 if KT >= 2 else 0                                  # blocks 1 .. KT-2
     for _ in cutlass.range(steady // 2, unroll=1):
         for par in cutlass.range_constexpr(2):
-            cons, rel = self.block_step(mmas, acc, F[1 - par], F[par], tCrB, sWt, sUt, pipe, cons, rel)
+            cons, rel = self.block_step(mmas, acc, F[1 - par], F[par], tCrB, sWt, sUt, pipe, cons, rel, fill)
     if cutlass.const_expr(steady % 2 == 1):
-        cons, rel = self.block_step(mmas, acc, F[1], F[0], tCrB, sWt, sUt, pipe, cons, rel)
+        cons, rel = self.block_step(mmas, acc, F[1], F[0], tCrB, sWt, sUt, pipe, cons, rel, fill)
     if cutlass.const_expr(KT > 1):
         self.mma_block(mmas, acc, F[(KT - 1) % 2], tCrB, cons.index)
     cute.nvgpu.warpgroup.wait_group(0)
@@ -505,9 +565,10 @@ def mma_role(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas
     cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
     rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
     lcons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.lstages)
+    fill = self.first_loads(st, loads, layouts, load_pipe, lora_pipe, cta)
     for i in cutlass.range(cta.my_tiles, unroll=1):
         m, n = cta.sched.tile_mn(i, cta.rank, cta.cluster_id, cta.n_clusters)
-        cons, rel = self.kloop(mmas, acc, F0, F1, tCrB, sWt, sUt, load_pipe, cons, rel)
+        cons, rel = self.kloop(mmas, acc, F0, F1, tCrB, sWt, sUt, load_pipe, cons, rel, fill)
         lcons = self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, t, wgi, m, n, M)
     if t == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)      # the last stores have read shared memory before the CTA exits
@@ -713,3 +774,27 @@ def mma_role_smem(self: W4A4GemmPgSmem, st, loads: PgLoads, vecs: PgVectors, mma
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 W4A4GemmPgSmem.mma_role = W4A4GemmPgSmem.mma_role_smem       # the MMA role this variant runs
+
+# %% ../../nbs/05b_pg.ipynb #0dc02b18
+PG_V1_ROLES = WarpRoles(load_warp=0, decode_warps=(), mma_warps=tuple(range(8)), load_regs=24, mma_regs=240)
+
+class W4A4GemmPgV1(W4A4GemmPg):
+    "v1 on the exact-integer mainloop: one CTA (or naive pair) per output tile, 256 threads, MMA warp 0 also loads."
+    name = "sm90 v1 int4_pg"
+    roles = PG_V1_ROLES                # warp 0 is an MMA warp and the TMA issuer; no setmaxnreg (no load warpgroup to take from)
+    persistent = False
+
+    @cute.jit
+    def first_loads(self, st, loads, layouts, load_pipe, lora_pipe, cta):
+        "Warp 0, before the CTA's one tile: its LoRA blocks and its first `stages` K-blocks; returns what `refill` needs."
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        m, n = cta.sched.tile_mn(0, cta.rank, cta.cluster_id, cta.n_clusters)
+        copies = self.tile_copies(st, loads, layouts, cta.rank, m, n)
+        if warp == self.roles.load_warp:
+            if cutlass.const_expr(self.lora_rank > 0):
+                lprod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.lstages)
+                self.load_lora(st, loads, layouts, lora_pipe, lprod, cta.rank, m, n)
+            for k in cutlass.range_constexpr(min(self.stages, self.k_tiles)):
+                prod = pipeline.PipelineState(self.stages, cutlass.Int32(k), cutlass.Int32(k), cutlass.Int32(1))
+                self.load_block(loads, load_pipe, prod, copies, k)
+        return loads, copies, warp
