@@ -207,7 +207,7 @@ def _non_kernels():
 def test_pg_methods_and_default_sets():
     "The int4_pg methods are KernelRefs to `find_kernel('v2', fmt='int4_pg')`; each format has its default method set."
     pg = {m.name: m for m in PG_KERNELS}
-    assert PG_KERNEL == KernelRef("int4_pg", "v2")
+    assert PG_KERNEL == KernelRef("int4_pg", "v2", chosen=True)
     assert {n: (m.config, m.fmts, m.checked, m.kernel) for n, m in pg.items()} == {
         "w4a4_pg": (PG_KERNEL, ("int4_pg",), True, True),
         "w4a4_pg_2cta": (KernelRef("int4_pg", "v2", fields=(("cluster_n", 2),)), ("int4_pg",), True, True),
@@ -261,7 +261,6 @@ def test_pg_methods_reach_the_kernel_on_cpu(monkeypatch):
     spec = _pg_row_or_skip()
     compiled = []
     monkeypatch.setattr(gemm.operands, "check_devices", lambda *a, **k: None)
-    monkeypatch.setattr(gemm, "to_cute", lambda tensors, *a, **k: list(tensors))
     monkeypatch.setattr(gemm, "_stream", lambda *a, **k: None)
     monkeypatch.setattr(gemm, "compiled_kernel", lambda config, p, *a, **k: compiled.append((config, p)) or (lambda *a: None))
     for m in PG_KERNELS:

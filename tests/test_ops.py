@@ -249,3 +249,73 @@ def test_cuda_graph_captures_a_converted_block_under_inference_mode():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The host path of an sm90 forward, on the CPU: compilation, launches and device queries stubbed
+
+
+@pytest.fixture
+def stubbed_sm90(monkeypatch):
+    """Run the sm90 path's host code on the CPU: the device checks pass, nothing compiles, and each "launch" does what
+    the compiled function does in Python before its C call (each argument's C pointers). Returns the launches' args."""
+    from w4a4_book import gemm, operands
+    launches = []
+    def launch(args):
+        launches.append(args)
+        return [p for a in args if hasattr(a, "__c_pointers__") for p in a.__c_pointers__()]
+    monkeypatch.setattr(operands, "check_devices", lambda *a, **k: None)
+    monkeypatch.setattr(ops, "why_not_sm90", lambda *a, **k: None)
+    monkeypatch.setattr(gemm, "_stream", lambda dev: None)
+    monkeypatch.setattr(gemm, "sm_count", lambda index: 132)
+    monkeypatch.setattr(gemm, "compiled_kernel", lambda config, p, tensors, dev: lambda *args: launch(args))
+    monkeypatch.setattr(gemm, "_launch_quant", lambda key, make, args, dev: launch(args))
+    return launches
+
+
+def sm90_layer(fmt="int4_pg", M=16, K=512, N=256, rank=32):
+    torch.manual_seed(0)
+    return W4A4Linear.from_linear(nn.Linear(K, N), rank=rank, fmt=fmt, backend="sm90"), torch.randn(M, K, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", ["int4_pg", "int4"])
+def test_weight_launch_args_are_made_once_and_again_after_a_write(stubbed_sm90, fmt):
+    "The GEMM's weight-side arguments are the same objects on a second forward, and new ones after an in-place write."
+    from w4a4_book.gemm import LaunchArg
+    layer, x = sm90_layer(fmt)
+    layer(x)
+    first = stubbed_sm90[-1]                                    # the GEMM is the forward's last launch
+    layer(x)
+    again = stubbed_sm90[-1]
+    assert layer.last_backend.startswith("sm90-") and all(isinstance(a, LaunchArg) for a in again[:-1])
+    names = [a.name for a in gemm_class(fmt).arguments(layer.problem(x.shape[0]))]
+    weight = [i for i, a in enumerate(gemm_class(fmt).arguments(layer.problem(x.shape[0]))) if x.shape[0] not in a.shape]
+    assert "wcscales" in names and names.index("wcscales") in weight
+    assert all(again[i] is first[i] for i in weight)            # the cache is hit
+    assert all(again[i] is not first[i] for i in range(len(names)) if i not in weight)   # activations: made per call
+    with torch.no_grad():
+        layer.wcscales.mul_(2)                                   # in place: the version counter moves
+    layer(x)
+    i = names.index("wcscales")
+    assert stubbed_sm90[-1][i] is not first[i] and stubbed_sm90[-1][i].desc.ptr == layer.wcscales.data_ptr()
+    moved = copy.deepcopy(layer)                                 # new buffers (as `.to()` makes): new arguments
+    moved(x)
+    assert stubbed_sm90[-1][i].desc.ptr == moved.wcscales.data_ptr() != layer.wcscales.data_ptr()
+
+
+def gemm_class(fmt):
+    from w4a4_book import gemm
+    return gemm.find_kernel(None, fmt).kernel_class()
+
+
+@pytest.mark.parametrize("fmt", ["int4_pg", "int4"])
+def test_host_time_per_stubbed_forward_is_reported(stubbed_sm90, fmt, capsys):
+    "The host's time per eager forward with the kernels stubbed, printed (the target is checked on the GPU, not here)."
+    from w4a4_book.bench.layer import host_time
+    layer, x = sm90_layer(fmt)
+    with torch.inference_mode():
+        t = host_time(lambda: layer(x), warmup=10, iters=200)
+    assert t["n"] == 200 and 0 < t["p10_ms"] <= t["median_ms"] <= t["p90_ms"]
+    with capsys.disabled():
+        print(f"\n{fmt} stubbed sm90 forward, M={x.shape[0]}: host {t['median_ms'] * 1e3:.1f} us per call "
+              f"(p10 {t['p10_ms'] * 1e3:.1f}, p90 {t['p90_ms'] * 1e3:.1f})")

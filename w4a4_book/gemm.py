@@ -5,6 +5,7 @@
 # %% ../nbs/05a_gemm.ipynb #04638c21
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import time
@@ -13,6 +14,7 @@ from importlib import import_module
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 import w4a4_book.smem as smem
 import w4a4_book.operands as operands
@@ -23,9 +25,9 @@ from .operands import Problem, fail
 __all__ = ['REGISTRY', 'DEFAULTS', 'MIN_STAGES', 'TILE_CHOICES', 'DEFAULT_NUM_SMS', 'SCALE_DTYPE', 'ACT_CTAS_PER_SM',
            'ACT_STAGES', 'ACTIVATION_FORMATS', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config',
            'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport',
-           'compile_on_fakes', 'example_problem', 'compile_kernel', 'to_cute', 'compiled_kernel', 'gemm_launcher',
-           'gemm_w4a4', 'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quantize_lora_down',
-           'compile_quant']
+           'compile_on_fakes', 'example_problem', 'compile_kernel', 'to_cute', 'compiled_kernel', 'LaunchArg',
+           'dynamic_modes', 'launch_args', 'gemm_launcher', 'gemm_w4a4', 'compile_arguments', 'compile_command',
+           'sm_count', 'k_splits', 'quantize_lora_down', 'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -129,14 +131,15 @@ def cluster_size(config) -> int:
     return getattr(config, "cluster_n", 1)
 
 # %% ../nbs/05a_gemm.ipynb #fa28511e
-MIN_STAGES = 4                                   # main stages a default config keeps (see above)
-TILE_CHOICES = {smem.HopperPgConfig: (256, 128)}  # activation-tile heights a default config tries, in order
+MIN_STAGES = 3                                   # main stages a default config keeps (see above)
+# per config class, the (activation-tile height, epi_stages) a default config tries, in order
+TILE_CHOICES = {smem.HopperPgConfig: ((256, 2), (256, 1), (128, 2))}
 
 def tile_choice(config, problem):
-    "`config` with the first `TILE_CHOICES` tile height whose budget for `problem` keeps `MIN_STAGES` main stages, else the one keeping most."
+    "`config` with the first `TILE_CHOICES` tile whose budget for `problem` keeps `MIN_STAGES` main stages, else the one keeping most."
     best = None
-    for tm in TILE_CHOICES.get(type(config), ()):
-        c = replace(config, tile_m=tm)
+    for tm, epi in TILE_CHOICES.get(type(config), ()):
+        c = replace(config, tile_m=tm, epi_stages=epi)
         try:
             stages = smem.solve(bind(c, problem), k=problem.K).stages["main"]
         except ValueError:                       # not even one stage fits
@@ -256,29 +259,78 @@ def compile_kernel(config=None, problem: Optional[Problem] = None, arch: Optiona
 # %% ../nbs/05a_gemm.ipynb #f1d3886d
 _compiled: dict = {}
 
+def _dim_order(spec) -> tuple:
+    "`spec`'s modes from outermost to innermost (torch's `dim_order` convention), from its `stride_order` (0: innermost)."
+    order = spec.stride_order or tuple(range(len(spec.shape)))
+    return tuple(sorted(range(len(order)), key=lambda d: -order[d]))
+
 def to_cute(tensors: list, specs=None) -> list:
-    """The launch tensors as CuTe tensors: the one conversion on the launch path (views, no copies). With `specs`
-    (the kernel's `ArgSpec`s, for a kernel that reads M at run time), each tensor's M mode is marked dynamic."""
+    """The launch tensors as CuTe tensors (views, no copies): what a kernel is compiled with. With `specs` (the
+    kernel's `ArgSpec`s, for a kernel that reads M at run time), each tensor's M mode is marked dynamic."""
     from cutlass.cute.runtime import from_dlpack
     out = [from_dlpack(t, assumed_align=16) for t in tensors]
     for i, s in enumerate(specs or ()):
         if s.m_mode is not None:
-            out[i] = out[i].mark_compact_shape_dynamic(mode=s.m_mode, stride_order=tensors[i].dim_order())
+            out[i] = out[i].mark_compact_shape_dynamic(mode=s.m_mode, stride_order=_dim_order(s))
     return out
 
 def _stream(dev):
     import cuda.bindings.driver as cuda
     return cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
 
-def compiled_kernel(config, p: Problem, cargs: list, dev):
-    "The compiled kernel of `config` for problem `p` on device `dev`, compiled on first use with the launch arguments `cargs`."
+def compiled_kernel(config, p: Problem, tensors: list, dev):
+    "The compiled kernel of `config` for problem `p` on device `dev`, compiled on first use with `to_cute(tensors)`."
     import cutlass.cute as cute
     cls = spec_for(config).kernel_class()
     key = (config, p.signature(cls.static_m), dev.index)
     if key not in _compiled:
         kernel, _ = build(config, p, torch.cuda.get_device_properties(dev).multi_processor_count)
-        _compiled[key] = cute.compile(kernel, *cargs, _stream(dev))
+        _compiled[key] = cute.compile(kernel, *to_cute(tensors, None if cls.static_m else cls.arguments(p)), _stream(dev))
     return _compiled[key]
+
+# %% ../nbs/05a_gemm.ipynb #424d16ec
+class LaunchArg:
+    """One tensor argument of a compiled kernel as its C entry point reads it: the data pointer, then the extents
+    (int32) and the strides (int64) the kernel reads at run time, in mode order. Built from the tensor's metadata
+    alone, with no DLPack capsule, so it holds no reference to the tensor."""
+    __slots__ = ("desc",)
+    _structs: dict = {}
+
+    def __init__(self, t: torch.Tensor, shapes: tuple = (), strides: tuple = ()):
+        kind = (len(shapes), len(strides))
+        if kind not in LaunchArg._structs:
+            LaunchArg._structs[kind] = type("Desc", (ctypes.Structure,), {"_fields_": [("ptr", ctypes.c_void_p)]
+                + [(f"s{i}", ctypes.c_int32) for i in range(kind[0])] + [(f"d{i}", ctypes.c_int64) for i in range(kind[1])]})
+        self.desc = LaunchArg._structs[kind](t.data_ptr(), *(t.shape[d] for d in shapes), *(t.stride(d) for d in strides))
+
+    def __c_pointers__(self) -> list:
+        return [ctypes.addressof(self.desc)]
+
+def dynamic_modes(spec, static_m: bool) -> tuple:
+    "`(shape modes, stride modes)` that `to_cute` leaves to run time for `spec`: M's mode, and every mode outside it."
+    if static_m or spec.m_mode is None:
+        return (), ()
+    order = spec.stride_order or tuple(range(len(spec.shape)))
+    return (spec.m_mode,), tuple(d for d in range(len(order)) if order[d] > order[spec.m_mode])
+
+_WEIGHT_ARGS = WeakIdKeyDictionary()    # weight buffer (a view's base) -> ((device, data_ptr, version), its LaunchArg)
+
+def launch_args(tensors: list, specs, static_m: bool, M: int) -> list:
+    """`LaunchArg`s of a launch's tensors for the kernel of `specs` (its `ArgSpec`s) on `M` rows. A weight-side
+    tensor's (one with no extent M: whatever M is, that is never an activation) is made once, under its buffer (a
+    view's base), and kept until the buffer moves or is written in place (its version counter); an inference tensor
+    has no version counter, so its argument is made each time, like every other tensor's."""
+    out = []
+    for t, s in zip(tensors, specs):
+        if s.m_mode is not None or M in s.shape or t.is_inference():
+            out.append(LaunchArg(t, *dynamic_modes(s, static_m)))
+            continue
+        buf = t if t._base is None else t._base
+        key, hit = (t.device, t.data_ptr(), t._version), _WEIGHT_ARGS.get(buf)
+        if hit is None or hit[0] != key:
+            hit = _WEIGHT_ARGS[buf] = (key, LaunchArg(t))
+        out.append(hit[1])
+    return out
 
 # %% ../nbs/05a_gemm.ipynb #d3a3043b
 def gemm_launcher(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *, out_dtype=torch.bfloat16,
@@ -299,9 +351,9 @@ def gemm_launcher(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=Non
     elif out.shape != (p.M, p.N) or out.dtype != out_dtype or not out.is_contiguous() or out.device != dev:
         fail(ValueError, "out", f"must be a contiguous [{p.M}, {p.N}] {out_dtype} tensor on {dev}")
     tensors = cls.tensors(p, act, wgt, lora_act, lora_up, wcscales, bias, out)
-    cargs = to_cute(tensors, None if cls.static_m else cls.arguments(p))
-    fn = compiled_kernel(config, p, cargs, dev)
-    def launch(): fn(*cargs, _stream(dev))
+    fn = compiled_kernel(config, p, tensors, dev)
+    args = launch_args(tensors, cls.arguments(p), cls.static_m, p.M)
+    def launch(): fn(*args, _stream(dev))
     launch.keep_alive = tensors          # the views the bound arguments point into
     return launch, out
 

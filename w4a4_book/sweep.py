@@ -104,14 +104,15 @@ def sweep_summary(rows):
     return out
 
 def sweep_table(rows) -> str:
-    "`sweep_summary` as Markdown: TFLOP/s at each stage count, then one stage against the best and the plateau's spread."
+    "`sweep_summary` as Markdown: TFLOP/s at each stage count swept, then one stage against the best (if swept) and the spread from 2 up."
     summary = sweep_summary(rows)
-    depth = max(max(s["tflops"]) for s in summary)
+    lo, hi = min(min(s["tflops"]) for s in summary), max(max(s["tflops"]) for s in summary)
     pct = lambda x: "" if x is None else f"{x:.1%}"
     return records.markdown_table([
         {"kernel": s["label"], "M×N×K": f"{s['M']}×{s['N']}×{s['K']}", "R": s["R"],
-         **{f"S={d}": round(s["tflops"][d]) if d in s["tflops"] else None for d in range(1, depth + 1)},
-         "S=1 / best": pct(s["one_over_best"]), "spread S≥2": pct(None if s["spread_from_2"] is None else s["spread_from_2"] - 1)}
+         **{f"S={d}": round(s["tflops"][d]) if d in s["tflops"] else None for d in range(lo, hi + 1)},
+         **({"S=1 / best": pct(s["one_over_best"])} if lo == 1 else {}),
+         "spread S≥2": pct(None if s["spread_from_2"] is None else s["spread_from_2"] - 1)}
         for s in summary])
 
 # %% ../nbs/07_pipeline_depth.ipynb #2b0f5f7e

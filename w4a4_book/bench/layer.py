@@ -5,6 +5,8 @@
 # %% ../../nbs/09c_bench_layer.ipynb #1c0d0e04
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,13 +14,13 @@ from torch import nn
 from .. import gemm
 from ..layers import W4A4Linear
 from ..records import data_dir, list_records, load_record, markdown_table, provenance, save_record
-from .timing import check_timing, gpu_key, mfu, rel_err, tflops, time_cuda
+from .timing import check_timing, gpu_key, mfu, rel_err, summarize_times, tflops, time_cuda
 from .workloads import FP8_MAX, bench_problems, kernel_unavailable
 
 # %% auto #0
-__all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'ACTIVATION_FORMATS', 'ACTIVATION_GRID', 'layer_paths', 'run_layer_bench',
-           'layer_table', 'activation_bytes', 'copy_bandwidth', 'run_activation_bench', 'activation_table',
-           'layer_shapes', 'add_arguments', 'recorded_runs', 'run']
+__all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'ACTIVATION_FORMATS', 'ACTIVATION_GRID', 'layer_paths', 'host_time',
+           'run_layer_bench', 'layer_table', 'activation_bytes', 'copy_bandwidth', 'run_activation_bench',
+           'activation_table', 'layer_shapes', 'add_arguments', 'recorded_runs', 'run']
 
 # %% ../../nbs/09c_bench_layer.ipynb #7cb7f5b6
 LAYER_PATHS = ("torch_bf16", "torch_fp8", "w4a4", "w4a4_torch_quant", "w4a4_pg")   # w4a4: int4 weights; w4a4_pg: int4_pg
@@ -57,9 +59,26 @@ def layer_paths(M: int, K: int, N: int, R: int = 32, seed: int = 0) -> tuple:
         ref = lin(x.float())
     return paths, ref
 
+def host_time(fn, *, warmup: int = 10, iters: int = 50) -> dict:
+    """`summarize_times` of the host's time per call of `fn()`: how long each call takes to return, the GPU work it
+    enqueues left running (the device is synchronised before the first call and after the last, outside the times)."""
+    check_timing(iters, warmup)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) / 1e6)
+    sync()
+    return summarize_times(times)
+
 def run_layer_bench(shapes, R: int = 32, iters: int = 50, warmup: int = 10, quiet: bool = False, graph: bool = False) -> list:
     """Time every path of `layer_paths` on every `(M, K, N)`; one row per pair, with TFLOP/s of 2·M·N·K and `rel_err`.
-    With `graph` each path is timed as a CUDA-graph replay (`timing` "graph"), except those of `EAGER_ONLY`."""
+    With `graph` each path is timed as a CUDA-graph replay (`timing` "graph"), except those of `EAGER_ONLY`; an eager
+    row also has the host's time per call (`host_time`) as `host_median_ms`, `host_p10_ms` and `host_p90_ms`."""
     gpu, rows = torch.cuda.get_device_name(), []
     for M, K, N in shapes:
         paths, ref = layer_paths(M, K, N, R)
@@ -68,9 +87,11 @@ def run_layer_bench(shapes, R: int = 32, iters: int = 50, warmup: int = 10, quie
                 err = rel_err(fn(), ref)
                 timing = "graph" if graph and name not in EAGER_ONLY else "eager"
                 t = time_cuda(fn, warmup=warmup, iters=iters, graph=timing == "graph")
+                host = {} if timing == "graph" else {f"host_{k}": v for k, v in host_time(fn, warmup=warmup, iters=iters).items() if k != "n"}
             tf = tflops(M, N, K, t["median_ms"])
-            rows.append(dict(method=name, M=M, N=N, K=K, R=R, **t, tflops=tf, mfu=mfu(tf, gpu), rel_err=err, timing=timing))
-            if not quiet: print(f"{M}x{K}->{N} R={R} {name} ({timing}): {t['median_ms']:.3f} ms, {tf:.0f} TFLOP/s, rel_err {err:.1e}", flush=True)
+            rows.append(dict(method=name, M=M, N=N, K=K, R=R, **t, **host, tflops=tf, mfu=mfu(tf, gpu), rel_err=err, timing=timing))
+            if not quiet: print(f"{M}x{K}->{N} R={R} {name} ({timing}): {t['median_ms']:.3f} ms, {tf:.0f} TFLOP/s, rel_err {err:.1e}"
+                                + (f", host {host['host_median_ms'] * 1e3:.1f} us/call" if host else ""), flush=True)
         del paths, ref
         torch.cuda.empty_cache()
     return rows
@@ -86,6 +107,9 @@ def layer_table(rows: list) -> str:
         for p in LAYER_PATHS:
             if (p, M, K, N) in by:                     # records from before a path existed lack it
                 line[f"{p} ms"] = f"{by[(p, M, K, N)]['median_ms']:.3f}"
+        for p in ("w4a4", "w4a4_pg"):                  # eager records since host time was measured
+            if "host_median_ms" in by.get((p, M, K, N), {}):
+                line[f"{p} host µs"] = f"{by[(p, M, K, N)]['host_median_ms'] * 1e3:.1f}"
         line["w4a4 / torch_fp8"] = f"{base / by[('w4a4', M, K, N)]['median_ms']:.2f}×"
         if ("w4a4_pg", M, K, N) in by:
             line["w4a4_pg / torch_fp8"] = f"{base / by[('w4a4_pg', M, K, N)]['median_ms']:.2f}×"

@@ -186,6 +186,7 @@ class KernelRef:
     mainloop: str | None = None
     arch: str = "sm_90a"
     fields: tuple = ()      # ((name, value), ...): the config fields that differ from their defaults
+    chosen: bool = False    # time what the library picks per problem (`gemm.tile_choice`), as a layer runs it; needs no fields
 
     def resolve(self):
         "The config; raises `ValueError` (from `gemm.find_kernel` or `smem.check_config`) when there is no such kernel."
@@ -201,7 +202,10 @@ def _kernel_build(config, pure: bool, out_dtype: torch.dtype | None) -> Callable
     "The builder of a kernel method: the launcher of `config` bound to a workload's operands (act and wgt alone when `pure`)."
     def build(w: Workload) -> Callable[[], torch.Tensor]:
         ops = (w.act, w.wgt) if pure else w.operands
-        launch, out = gemm.gemm_launcher(*ops, out_dtype=out_dtype or w.out_dtype, config=resolve_config(config))
+        config_now, dt = resolve_config(config), out_dtype or w.out_dtype
+        if getattr(config, "chosen", False):
+            config_now = gemm.tile_choice(config_now, check_gemm_operands(*ops, out_dtype=dt))
+        launch, out = gemm.gemm_launcher(*ops, out_dtype=dt, config=config_now)
         def run():
             launch()
             return out
@@ -340,7 +344,7 @@ DIAGNOSTICS = (Method("torch_fp8_gemm", torch_fp8_gemm, checked=False),
                kernel_method("w4a4_v2_mma_only", HopperV2Config(ablate=("decode", "promote")), checked=False))
 
 # %% ../../nbs/09_bench.ipynb #5a1e0c05
-PG_KERNEL = KernelRef("int4_pg", "v2")   # the int4_pg GEMM: gemm.find_kernel("v2", fmt="int4_pg"), looked up when used
+PG_KERNEL = KernelRef("int4_pg", "v2", chosen=True)   # the int4_pg GEMM as a layer runs it: v2 with the tile `gemm.tile_choice` picks
 PG_KERNELS = (kernel_method("w4a4_pg", PG_KERNEL),
               kernel_method("w4a4_pg_2cta", KernelRef("int4_pg", "v2", fields=(("cluster_n", 2),))),
               pure_kernel_method("w4a4_pg_pure", PG_KERNEL, out_dtype=torch.float16),
