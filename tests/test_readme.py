@@ -21,7 +21,9 @@ def test_results_section_is_generated_from_the_records():
     section = README[README.index("## Results\n"):README.index("\n## ", README.index("## Results\n") + 1)]
     assert readme_results() in section, ("README.md's Results section differs from the records; regenerate it with "
                                          "w4a4_book.bench.report.readme_results() instead of editing it")
-    for name in README_RECORDS + (LORA_RECORD,):
+    from w4a4_book.repro import LADDER_RECORDS, readme_ladder
+    assert readme_ladder() in section, "regenerate the ladder with w4a4_book.repro.readme_ladder()"
+    for name in README_RECORDS + (LORA_RECORD,) + LADDER_RECORDS:
         assert f"`{name}`" in section and load_record(data_dir()/name)[0]["command"] in section
 
 

@@ -4,9 +4,10 @@
 
 # %% auto #0
 __all__ = ['BUG', 'FIX', 'LORA_BUG_RANKS', 'LORA_BUG_PROBLEMS', 'LORA_BUG_CONFIG', 'LORA_BUG_CONFIGS', 'PHANTOM',
-           'LADDER_PROBLEMS', 'LADDER', 'LORA_BUG_FORMATS', 'config_label', 'row_config', 'accounting_rows',
-           'measure_lora_bug', 'measure_lora_grid', 'lora_bug_summary', 'worst_case', 'lora_bug_table', 'plot_lora_bug',
-           'measure_ladder', 'ladder_table', 'recorded_report', 'add_arguments', 'run_ladder', 'run']
+           'LADDER_PROBLEMS', 'LADDER', 'LADDER_RECORDS', 'LORA_BUG_FORMATS', 'config_label', 'row_config',
+           'accounting_rows', 'measure_lora_bug', 'measure_lora_grid', 'lora_bug_summary', 'worst_case',
+           'lora_bug_table', 'plot_lora_bug', 'measure_ladder', 'ladder_table', 'ladder_mfu', 'plot_ladder',
+           'readme_ladder', 'recorded_report', 'add_arguments', 'run_ladder', 'run']
 
 # %% ../nbs/06_lora_bug.ipynb #aa812ec0
 import argparse
@@ -231,6 +232,38 @@ def ladder_table(rows) -> str:
         if built: prev[fmt] = tf
         out.append(row)
     return records.markdown_table(out)
+
+# %% ../nbs/06_lora_bug.ipynb #ea6145ca
+LADDER_RECORDS = ("ladder_h200_int4.json", "ladder_h200_int4_pg.json")   # the README's ladders, one run per format
+
+def ladder_mfu(rows):
+    "Per rung (in order): the geometric mean over the layers of its MFU."
+    rungs = sorted({(r["step"], r["rung"]) for r in rows})
+    return {rung: math.prod(r["mfu"] for r in rows if r["step"] == s) ** (1 / sum(r["step"] == s for r in rows)) for s, rung in rungs}
+
+def plot_ladder(ladders: dict, path=None):
+    "Bars of each rung's geometric-mean MFU, one colour per format of `ladders` ({fmt: rows}); saved to `path` if given."
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(7.5, 3.2), dpi=90)
+    ax = fig.subplots()
+    for i, (f, rows) in enumerate(ladders.items()):
+        g = ladder_mfu(rows)
+        ax.bar([x + 0.38 * i for x in range(len(g))], [100 * v for v in g.values()], width=0.38, label=f)
+    ax.set_xticks([x + 0.19 for x in range(len(g))], [n.replace(", ", ",\n") for n in g], fontsize=7)
+    ax.set_ylabel("MFU (% of dense FP8/INT8 peak)"); ax.legend(fontsize=8); ax.grid(axis="y", alpha=0.3)
+    ax.set_title("The story's ladder on the H200: M = 4352, the four layers, R = 128 (geometric mean)", fontsize=9)
+    fig.tight_layout()
+    if path is not None: fig.savefig(path)
+    return fig
+
+def readme_ladder(folder=None) -> str:
+    "The README's ladder section (without its heading): both recorded ladders as one table, the plot's file, the records."
+    folder = records.data_dir() if folder is None else Path(folder)
+    loaded = [(name, *records.load_record(folder / name)) for name in LADDER_RECORDS]
+    return "\n".join(["One run per format on the H200, at the four M = 4352 layers and R = 128 ([chapter 6](nbs/06_lora_bug.ipynb)): "
+                      "TFLOP/s per layer, MFU range, and each rung's geometric-mean gain over the rung before it.", "",
+                      ladder_table([r for _, _, rows in loaded for r in rows]), "", "![the ladder](nbs/data/ladder_h200.png)", "",
+                      *[f"- {report.record_line(name, prov)}" for name, prov, _ in loaded]])
 
 # %% ../nbs/06_lora_bug.ipynb #80764e78
 def recorded_report() -> str:
