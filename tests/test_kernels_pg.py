@@ -108,6 +108,8 @@ GRID = [  # M (tails, several tiles per CTA), N, K, R, out dtype, affine, cluste
     (64, 256, 256, 16, torch.float16, True, 2, 256),
     (2000, 1024, 1024, 256, torch.bfloat16, True, 1, 128),
     (4352, 3072, 3840, 32, torch.bfloat16, True, 2, 128),
+    (256, 3072, 3840, 32, torch.bfloat16, True, 1, 64),     # the small-M tile
+    (300, 512, 1024, 128, torch.float16, True, 2, 64),
 ]
 
 

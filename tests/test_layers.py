@@ -233,6 +233,34 @@ def test_sm90_forward_replays_as_a_cuda_graph():
     assert torch.equal(out["y"], eager)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("act_fmt", ["int4", "int4_pg", "int8"])
+def test_activation_kernel_follows_in_place_writes(act_fmt):
+    """The activation kernel's cached per-layer arguments (1/smooth, lora_downᵀ and their launch arguments): a second
+    call, a call after in-place writes and one on a copied layer each equal `quantize` of the current values, bit for bit."""
+    import copy
+    from w4a4_book import ops
+    lin, calib, x = outlier_problem(K=1024, N=512, tokens=300)
+    layer = W4A4Linear.from_linear(lin.cuda(), rank=32, fmt="int4" if act_fmt == "int4" else "int4_pg", act_sample=calib.cuda())
+    x = x.cuda().bfloat16()
+    def exact(lyr):
+        act, lora_act = ops.quantize_act_sm90(x, lyr.smooth, lyr.lora_down, act_fmt)
+        ref = quantize(x.float() * reciprocal(lyr.smooth.float()), act_fmt, torch.bfloat16 if act_fmt == "int4" else None)
+        ref = ref.as_int8() if act_fmt == "int4_pg" else ref
+        assert torch.equal(act.data, ref.data) and all(torch.equal(getattr(act, f), getattr(ref, f))
+                                                       for f in ("scales", "base") if getattr(ref, f) is not None)
+        return lora_act
+    first = exact(layer)
+    assert torch.equal(exact(layer), first)
+    with torch.no_grad():
+        layer.smooth.mul_(1.5)
+        layer.lora_down.neg_()                       # exact: the LoRA product is negated, bit for bit
+    assert torch.equal(exact(layer), -first)
+    assert torch.equal(exact(copy.deepcopy(layer)), -first)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input
 

@@ -255,21 +255,29 @@ def test_cuda_graph_captures_a_converted_block_under_inference_mode():
 # The host path of an sm90 forward, on the CPU: compilation, launches and device queries stubbed
 
 
+class Launches(list):
+    "Each stubbed launch's arguments, in order; `tensors`: the tensors of each activation-kernel launch."
+    def __init__(self):
+        super().__init__()
+        self.tensors = []
+
+
 @pytest.fixture
 def stubbed_sm90(monkeypatch):
     """Run the sm90 path's host code on the CPU: the device checks pass, nothing compiles, and each "launch" does what
-    the compiled function does in Python before its C call (each argument's C pointers). Returns the launches' args."""
+    the compiled function does in Python before its C call (each argument's C pointers). Returns the `Launches`."""
     from w4a4_book import gemm, operands
-    launches = []
-    def launch(args):
+    launches = Launches()
+    def launch(args, tensors=None):
         launches.append(args)
+        if tensors is not None: launches.tensors.append(tensors)
         return [p for a in args if hasattr(a, "__c_pointers__") for p in a.__c_pointers__()]
     monkeypatch.setattr(operands, "check_devices", lambda *a, **k: None)
     monkeypatch.setattr(ops, "why_not_sm90", lambda *a, **k: None)
     monkeypatch.setattr(gemm, "_stream", lambda dev: None)
     monkeypatch.setattr(gemm, "sm_count", lambda index: 132)
     monkeypatch.setattr(gemm, "compiled_kernel", lambda config, p, tensors, dev: lambda *args: launch(args))
-    monkeypatch.setattr(gemm, "_launch_quant", lambda key, make, args, dev: launch(args))
+    monkeypatch.setattr(gemm, "compiled_quant", lambda key, make, tensors, dev: lambda *args: launch(args, tensors))
     return launches
 
 
@@ -301,6 +309,55 @@ def test_weight_launch_args_are_made_once_and_again_after_a_write(stubbed_sm90, 
     moved = copy.deepcopy(layer)                                 # new buffers (as `.to()` makes): new arguments
     moved(x)
     assert stubbed_sm90[-1][i].desc.ptr == moved.wcscales.data_ptr() != layer.wcscales.data_ptr()
+
+
+def quant_launches(launches, layer, x):
+    "The activation-kernel launches of one forward of `layer` on `x`: `(args, tensors)` per launch."
+    n, t = len(launches), len(launches.tensors)
+    layer(x)
+    args = [a for a in launches[n:] if len(a) == 7]          # the activation kernel's six tensors and its stream
+    return list(zip(args, launches.tensors[t:]))
+
+
+@pytest.mark.parametrize("fmt", ["int4_pg", "int4"])
+def test_activation_launch_args_follow_the_layers_buffers(stubbed_sm90, fmt):
+    """The activation kernel's weight-side arguments (1/smooth and lora_downᵀ) are made once per buffer: the same
+    objects on a second forward, new ones (of the new values) after an in-place write, a `.to()` and a copy."""
+    from w4a4_book.formats import reciprocal
+    layer, x = sm90_layer(fmt, M=8)          # M=16 would make the 16-row lora_downᵀ of the second pass look like an activation
+    first = quant_launches(stubbed_sm90, layer, x)
+    assert len(first) == (2 if fmt == "int4_pg" else 1)
+    for (a, t), (b, _) in zip(first, quant_launches(stubbed_sm90, layer, x)):
+        assert a[1] is b[1] and a[2] is b[2] and a[0] is not b[0]    # activations: made per call
+    def follows(lyr):
+        for args, (_, recip, ldt, *_) in quant_launches(stubbed_sm90, lyr, x):
+            assert torch.equal(recip, reciprocal(lyr.smooth.float())) and torch.equal(ldt, lyr.lora_down.t()[:len(ldt)])
+            assert args[1].desc.ptr == recip.data_ptr() and args[2].desc.ptr == ldt.data_ptr()
+    with torch.no_grad():
+        layer.smooth.mul_(2)
+        layer.lora_down.neg_()
+    follows(layer)
+    assert quant_launches(stubbed_sm90, layer, x)[0][0][1] is not first[0][0][1]
+    follows(layer._apply(torch.clone))          # `.to(device)`'s way: every buffer a new one, in place of the old
+    follows(copy.deepcopy(layer))
+
+
+def test_derived_tensors_are_cached_per_buffer_version():
+    "`gemm.derived` remakes its tensor after an in-place write and for a new buffer, and never keeps one of an inference tensor."
+    from w4a4_book import gemm
+    t, calls = torch.ones(4), []
+    make = lambda s: calls.append(1) or s * 2
+    a = gemm.derived(t, "twice", make)
+    assert gemm.derived(t, "twice", make) is a and len(calls) == 1
+    assert gemm.derived(t, "other", make) is not a                # each `what` its own
+    t.add_(1)
+    assert torch.equal(gemm.derived(t, "twice", make), torch.full((4,), 4.0))
+    assert torch.equal(gemm.derived(t.clone(), "twice", make), torch.full((4,), 4.0)) and len(calls) == 4
+    with torch.inference_mode():
+        inf = torch.ones(4)
+        assert not gemm.derived(t, "twice", make).is_inference()  # made outside inference mode: it has a counter
+        assert gemm.derived(inf, "twice", make) is not gemm.derived(inf, "twice", make)
+    assert gemm.constant(1.0, (3,), torch.float32, t.device) is gemm.constant(1.0, (3,), torch.float32, t.device)
 
 
 def gemm_class(fmt):

@@ -23,11 +23,11 @@ from .operands import Problem, fail
 
 # %% auto #0
 __all__ = ['REGISTRY', 'DEFAULTS', 'MIN_STAGES', 'TILE_CHOICES', 'DEFAULT_NUM_SMS', 'SCALE_DTYPE', 'ACT_CTAS_PER_SM',
-           'ACT_STAGES', 'ACTIVATION_FORMATS', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config',
-           'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport',
+           'ACT_STAGES', 'QUANT_ARGS', 'ACTIVATION_FORMATS', 'KernelSpec', 'register', 'spec_for', 'find_kernel',
+           'default_config', 'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport',
            'compile_on_fakes', 'example_problem', 'compile_kernel', 'to_cute', 'compiled_kernel', 'LaunchArg',
            'dynamic_modes', 'launch_args', 'gemm_launcher', 'gemm_w4a4', 'compile_arguments', 'compile_command',
-           'sm_count', 'k_splits', 'quantize_lora_down', 'compile_quant']
+           'sm_count', 'k_splits', 'compiled_quant', 'derived', 'constant', 'quantize_lora_down', 'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -429,12 +429,53 @@ def k_splits(m_tiles: int, k_blocks: int, num_sms: int, ctas_per_sm: int = ACT_C
     return next((d for d in range(want, k_blocks + 1) if k_blocks % d == 0), k_blocks) if want > 1 else 1
 
 # %% ../nbs/05a_gemm.ipynb #67ac19dc
-def _launch_quant(key, make, args, dev):
-    "Compile (once per `key`) and launch the activation kernel `make()` on the CuTe tensors `args`."
+def compiled_quant(key, make, tensors: list, dev):
+    "The activation kernel `make()` compiled on first use of `key` with `to_cute(tensors)`: every layout static."
     import cutlass.cute as cute
     if key not in _compiled:
-        _compiled[key] = cute.compile(make(), *args, _stream(dev))
-    _compiled[key](*args, _stream(dev))
+        _compiled[key] = cute.compile(make(), *to_cute(tensors), _stream(dev))
+    return _compiled[key]
+
+QUANT_ARGS = ("x", "recip_smooth", "lora_down_t", "codes", "aux", "lora")   # the activation kernel's tensors, in order
+_quant_specs: dict = {}
+
+def _launch_quant(key, make, tensors: list, dev):
+    """Launch the activation kernel `make()` (compiled once per `key`, which holds every shape) on `tensors`, through
+    `launch_args` as the GEMM is: the weight-side arguments (`recip_smooth`, `lora_down_t`) are made once per buffer."""
+    fn = compiled_quant(key, make, tensors, dev)
+    if key not in _quant_specs:       # static layouts: `launch_args` reads only the shapes
+        from w4a4_book.kernels.sm90_parts import ArgSpec
+        _quant_specs[key] = [ArgSpec(n, None, tuple(t.shape)) for n, t in zip(QUANT_ARGS, tensors)]
+    fn(*launch_args(tensors, _quant_specs[key], True, tensors[0].shape[0]), _stream(dev))
+
+_DERIVED = WeakIdKeyDictionary()   # a source tensor -> {what: ((device, data_ptr, version), the derived tensor)}
+
+def derived(t: torch.Tensor, what: str, make) -> torch.Tensor:
+    """`make(t)`, kept under `t` and `what` until `t` moves or is written in place (its version counter), made outside
+    inference mode so that it has a counter too. Made afresh each call for an inference `t` (no counter), and kept by no
+    CUDA-graph capture (a captured kernel runs only on replay)."""
+    if t.is_inference():
+        return make(t)
+    key, hit = (t.device, t.data_ptr(), t._version), _DERIVED.get(t, {}).get(what)
+    if hit is None or hit[0] != key:
+        with torch.inference_mode(False):
+            hit = (key, make(t))
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _DERIVED.setdefault(t, {})[what] = hit
+    return hit[1]
+
+_CONSTANTS: dict = {}
+
+def constant(value, shape: tuple, dtype, dev) -> torch.Tensor:
+    "A tensor of `shape` filled with `value`, made once per `(value, shape, dtype, dev)` (never under a CUDA-graph capture); never written."
+    key = (value, shape, dtype, dev)
+    if key in _CONSTANTS:
+        return _CONSTANTS[key]
+    with torch.inference_mode(False):
+        t = torch.full(shape, value, dtype=dtype, device=dev)
+    if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _CONSTANTS[key] = t
+    return t
 
 ACTIVATION_FORMATS = ("int4", "int4_pg", "int8")   # what the fused activation kernel can write
 
@@ -450,14 +491,14 @@ def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=A
     ks = k_splits(-(-M // QuantLoraDown.tile_m), K // G, sm_count(dev.index), ctas_per_sm)
     partial = torch.empty(ks, M, max(R, 16), dtype=torch.float32, device=dev)
     # the kernel multiplies by the correctly rounded reciprocal, as `quantize`'s rules do (chapter 1)
-    sm = reciprocal(smooth.float()) if smooth is not None else x.new_ones(K, dtype=torch.float32)
-    ldt = lora_down_t if lora_down_t is not None else x.new_zeros(16, K)
+    sm = derived(smooth, "recip", lambda s: reciprocal(s.float())) if smooth is not None else constant(1.0, (K,), torch.float32, dev)
+    ldt = lora_down_t if lora_down_t is not None else constant(0.0, (16, K), x.dtype, dev)
     sig = (M, K, R, x.dtype, smooth is not None, stages, ks, dev.index)   # the kernels are specialised on shapes
     if fmt == "int4":
         data = torch.empty(M, K // 2, dtype=torch.uint8, device=dev)
         scales = torch.empty(K // G, M, dtype=x.dtype, device=dev)
         _launch_quant(("quant", *sig), lambda: QuantLoraDown(R, stages, smooth is not None, ks),
-                      to_cute([x, sm, ldt, data.view(torch.int32), scales, partial]), dev)
+                      [x, sm, ldt, data.view(torch.int32), scales, partial], dev)
         act = QTensor(data, scales, "int4")
     else:
         act = _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, smooth is not None)
@@ -471,13 +512,13 @@ def _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, has_smooth):
     rowmax = torch.zeros(M, dtype=torch.int32, device=dev)                 # bits of max |x * (1/smooth)|, raised by red.max
     codes = torch.empty(M, K, dtype=torch.int8, device=dev)
     _launch_quant(("rowmax", *sig), lambda: QuantLoraDown(R, stages, has_smooth, ks, mode="pg_rowmax"),
-                  to_cute([x, sm, ldt, codes.view(torch.int32), rowmax, partial]), dev)
+                  [x, sm, ldt, codes.view(torch.int32), rowmax, partial], dev)
     amax = rowmax.view(torch.float32)
-    div = lambda a, d: a / torch.full_like(a, d)                            # a tensor divisor: true division on CUDA
+    div = lambda a, d: a / constant(float(d), (), torch.float32, dev)        # a tensor divisor: true division on CUDA
     base = div(div(amax, INT4_MAX), PG_U_MAX) if fmt == "int4_pg" else div(amax, INT8_MAX)
     mode = "pg_quant" if fmt == "int4_pg" else "int8_quant"
     _launch_quant((mode, *sig), lambda: QuantLoraDown(0, stages, has_smooth, ks, mode=mode),
-                  to_cute([x, sm, ldt[:16], codes.view(torch.int32), base, partial]), dev)
+                  [x, sm, ldt[:16], codes.view(torch.int32), base, partial], dev)
     return QTensor.trusted(codes, None, fmt, base=base)      # the kernel's codes are checked by its tests, not per call
 
 def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mode="int4"):

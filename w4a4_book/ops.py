@@ -89,7 +89,6 @@ def _default_config(problem: Problem):
 
 # %% ../nbs/08c_ops.ipynb #1073f7cd
 _CHECKED = WeakIdKeyDictionary()      # weight data tensor -> the (id, version) of the buffers its values were checked at
-_LORA_T = WeakIdKeyDictionary()       # lora_down -> ((data_ptr, version), its transpose)
 
 def _versions(*ts) -> Optional[tuple]:
     "The `(id, version)` of each tensor of `ts` (None for None), or None when one is an inference tensor: no counter records its writes."
@@ -108,13 +107,8 @@ def weights(data: torch.Tensor, scales: torch.Tensor, fmt: str, global_scale=Non
     return q
 
 def lora_down_t(lora_down: torch.Tensor) -> torch.Tensor:
-    "`lora_down` `[K, R]` transposed to `[R, K]`, K-contiguous, as the fused activation kernel reads it; cached until `lora_down` changes."
-    key, hit = (lora_down.data_ptr(), _versions(lora_down)), _LORA_T.get(lora_down)
-    if key[1] is None:
-        return lora_down.t().contiguous()
-    if hit is None or hit[0] != key:
-        hit = _LORA_T[lora_down] = (key, lora_down.t().contiguous())
-    return hit[1]
+    "`lora_down` `[K, R]` transposed to `[R, K]`, K-contiguous, as the fused activation kernel reads it; cached until `lora_down` changes (`gemm.derived`)."
+    return gemm.derived(lora_down, "t", lambda d: d.t().contiguous())
 
 # %% ../nbs/08c_ops.ipynb #618e6a12
 def quantize_act_ref(x: torch.Tensor, smooth: torch.Tensor, lora_down: Optional[torch.Tensor], act_fmt: str) -> tuple:
