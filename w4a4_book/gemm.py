@@ -22,12 +22,13 @@ from .formats import QTensor, reciprocal
 from .operands import Problem, fail
 
 # %% auto #0
-__all__ = ['REGISTRY', 'DEFAULTS', 'MIN_STAGES', 'TILE_CHOICES', 'DEFAULT_NUM_SMS', 'SCALE_DTYPE', 'ACT_CTAS_PER_SM',
-           'ACT_STAGES', 'QUANT_ARGS', 'ACTIVATION_FORMATS', 'KernelSpec', 'register', 'spec_for', 'find_kernel',
-           'default_config', 'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport',
-           'compile_on_fakes', 'example_problem', 'compile_kernel', 'to_cute', 'compiled_kernel', 'LaunchArg',
-           'dynamic_modes', 'launch_args', 'gemm_launcher', 'gemm_w4a4', 'compile_arguments', 'compile_command',
-           'sm_count', 'k_splits', 'compiled_quant', 'derived', 'constant', 'quantize_lora_down', 'compile_quant']
+__all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'SCALE_DTYPE',
+           'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ACTIVATION_FORMATS', 'KernelSpec', 'register', 'spec_for',
+           'find_kernel', 'default_config', 'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build',
+           'CompileReport', 'compile_on_fakes', 'example_problem', 'compile_kernel', 'to_cute', 'compiled_kernel',
+           'LaunchArg', 'dynamic_modes', 'launch_args', 'gemm_launcher', 'gemm_w4a4', 'compile_arguments',
+           'compile_command', 'sm_count', 'k_splits', 'compiled_quant', 'derived', 'constant', 'quantize_lora_down',
+           'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -131,27 +132,31 @@ def cluster_size(config) -> int:
     return getattr(config, "cluster_n", 1)
 
 # %% ../nbs/05a_gemm.ipynb #fa28511e
+DEFAULT_NUM_SMS = 132                            # H100 and H200 SXM: what a compile (or choice) without a GPU assumes
 MIN_STAGES = 3                                   # main stages a default config keeps (see above)
+MIN_WAVE_FILL = 0.9                              # the share of the SMs' first wave a tile grid must fill (see above)
 # per config class, the (activation-tile height, epi_stages) a default config tries, in order
-TILE_CHOICES = {smem.HopperPgConfig: ((256, 2), (256, 1), (128, 2))}
+TILE_CHOICES = {smem.HopperPgConfig: ((256, 2), (256, 1), (128, 2), (64, 2))}
 
-def tile_choice(config, problem):
-    "`config` with the first `TILE_CHOICES` tile whose budget for `problem` keeps `MIN_STAGES` main stages, else the one keeping most."
-    best = None
+def tile_choice(config, problem, num_sms=None):
+    """`config` with the first `TILE_CHOICES` tile whose budget for `problem` keeps `MIN_STAGES` main stages and whose
+    output tiles fill `MIN_WAVE_FILL` of `num_sms` (default `DEFAULT_NUM_SMS`); else, among those keeping the most
+    stages up to `MIN_STAGES`, the one with the most tiles."""
+    sms, best = num_sms or DEFAULT_NUM_SMS, None
     for tm, epi in TILE_CHOICES.get(type(config), ()):
         c = replace(config, tile_m=tm, epi_stages=epi)
         try:
             stages = smem.solve(bind(c, problem), k=problem.K).stages["main"]
         except ValueError:                       # not even one stage fits
             continue
-        if stages >= MIN_STAGES:
+        tiles = -(-problem.M // tm) * (problem.N // c.tile_n)
+        if stages >= MIN_STAGES and tiles >= MIN_WAVE_FILL * sms:
             return c
-        best = best if best is not None and best[0] >= stages else (stages, c)
+        score = (min(stages, MIN_STAGES), tiles)
+        best = best if best is not None and best[0] >= score else (score, c)
     return config if best is None else best[1]
 
 # %% ../nbs/05a_gemm.ipynb #185c3191
-DEFAULT_NUM_SMS = 132    # H100 and H200 SXM: the persistent grid a compile without a GPU is sized for
-
 def check(config, p: Problem) -> Problem:
     "Raise, naming the argument, unless the kernel of `config` can compute problem `p`."
     smem.check_config(config)
