@@ -83,3 +83,13 @@ def test_markdown_table():
     assert t == ["| kernel | M | us |", "|---|---:|---:|", "| v1 | 256 | 12.5 |", "| v1 | 512 | 20 |"]
     with pytest.raises(ValueError, match="column"):
         markdown_table([{}])
+
+
+def test_commit_env_must_be_a_full_sha(monkeypatch):
+    "A short or mistyped `$W4A4_BOOK_COMMIT` is refused by name: a record must name a commit a reader can check out."
+    from w4a4_book import records
+    monkeypatch.setenv(records.COMMIT_ENV, "a51aba0b")
+    with pytest.raises(ValueError, match="W4A4_BOOK_COMMIT='a51aba0b'"):
+        records._git_commit()
+    monkeypatch.setenv(records.COMMIT_ENV, "a" * 40)
+    assert records._git_commit() == "a" * 40

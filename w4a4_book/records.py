@@ -60,7 +60,10 @@ COMMIT_ENV = "W4A4_BOOK_COMMIT"  # set it where the tree was copied without .git
 def _git_commit() -> str:
     "HEAD of the checkout, `-dirty` when tracked files changed, `$W4A4_BOOK_COMMIT` when set, or `unknown` outside git."
     if os.environ.get(COMMIT_ENV):
-        return os.environ[COMMIT_ENV]
+        sha = os.environ[COMMIT_ENV]
+        if not re.fullmatch(r"[0-9a-f]{40}", sha):      # a short or mistyped SHA names no commit a reader can check out
+            raise ValueError(f"${COMMIT_ENV}={sha!r}: must be the full 40-hex-digit SHA of the committed HEAD")
+        return sha
     root = _repo_root()
     sha = _run("git", "rev-parse", "HEAD", cwd=root)
     if sha is None:
