@@ -26,8 +26,8 @@ __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FI
            'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ACTIVATION_FORMATS', 'KernelSpec', 'register', 'spec_for',
            'find_kernel', 'default_config', 'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build',
            'CompileReport', 'compile_on_fakes', 'example_problem', 'compile_kernel', 'to_cute', 'compiled_kernel',
-           'LaunchArg', 'dynamic_modes', 'launch_args', 'gemm_launcher', 'gemm_w4a4', 'compile_arguments',
-           'compile_command', 'sm_count', 'k_splits', 'compiled_quant', 'derived', 'constant', 'quantize_lora_down',
+           'LaunchArg', 'dynamic_modes', 'derived', 'launch_args', 'gemm_launcher', 'gemm_w4a4', 'compile_arguments',
+           'compile_command', 'sm_count', 'k_splits', 'compiled_quant', 'constant', 'quantize_lora_down',
            'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
@@ -318,24 +318,30 @@ def dynamic_modes(spec, static_m: bool) -> tuple:
     order = spec.stride_order or tuple(range(len(spec.shape)))
     return (spec.m_mode,), tuple(d for d in range(len(order)) if order[d] > order[spec.m_mode])
 
-_WEIGHT_ARGS = WeakIdKeyDictionary()    # weight buffer (a view's base) -> ((device, data_ptr, version), its LaunchArg)
+_DERIVED = WeakIdKeyDictionary()   # a buffer (a view's base) -> {what: ((device, data_ptr, version), what was made)}
+
+def derived(t: torch.Tensor, what: str, make):
+    """`make(t)`, kept under `t`'s buffer (a view's base) and `what` until `t` moves or is written in place (its version
+    counter), made outside inference mode so that a derived tensor has a counter too. Made afresh each call for an
+    inference `t` (no counter), and kept by no CUDA-graph capture (a captured kernel runs only on replay)."""
+    if t.is_inference():
+        return make(t)
+    buf = t if t._base is None else t._base
+    key, hit = (t.device, t.data_ptr(), t._version), _DERIVED.get(buf, {}).get(what)
+    if hit is None or hit[0] != key:
+        with torch.inference_mode(False):
+            hit = (key, make(t))
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _DERIVED.setdefault(buf, {})[what] = hit
+    return hit[1]
+
 
 def launch_args(tensors: list, specs, static_m: bool, M: int) -> list:
     """`LaunchArg`s of a launch's tensors for the kernel of `specs` (its `ArgSpec`s) on `M` rows. A weight-side
-    tensor's (one with no extent M: whatever M is, that is never an activation) is made once, under its buffer (a
-    view's base), and kept until the buffer moves or is written in place (its version counter); an inference tensor
-    has no version counter, so its argument is made each time, like every other tensor's."""
-    out = []
-    for t, s in zip(tensors, specs):
-        if s.m_mode is not None or M in s.shape or t.is_inference():
-            out.append(LaunchArg(t, *dynamic_modes(s, static_m)))
-            continue
-        buf = t if t._base is None else t._base
-        key, hit = (t.device, t.data_ptr(), t._version), _WEIGHT_ARGS.get(buf)
-        if hit is None or hit[0] != key:
-            hit = _WEIGHT_ARGS[buf] = (key, LaunchArg(t))
-        out.append(hit[1])
-    return out
+    tensor's (one with no extent M: whatever M is, that is never an activation) is `derived` from it: made once per
+    buffer and kept until the buffer moves or is written in place; every other tensor's is made each time."""
+    return [LaunchArg(t, *dynamic_modes(s, static_m)) if s.m_mode is not None or M in s.shape
+            else derived(t, "launch arg", LaunchArg) for t, s in zip(tensors, specs)]
 
 # %% ../nbs/05a_gemm.ipynb #d3a3043b
 def gemm_launcher(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *, out_dtype=torch.bfloat16,
@@ -452,22 +458,6 @@ def _launch_quant(key, make, tensors: list, dev):
         from w4a4_book.kernels.sm90_parts import ArgSpec
         _quant_specs[key] = [ArgSpec(n, None, tuple(t.shape)) for n, t in zip(QUANT_ARGS, tensors)]
     fn(*launch_args(tensors, _quant_specs[key], True, tensors[0].shape[0]), _stream(dev))
-
-_DERIVED = WeakIdKeyDictionary()   # a source tensor -> {what: ((device, data_ptr, version), the derived tensor)}
-
-def derived(t: torch.Tensor, what: str, make) -> torch.Tensor:
-    """`make(t)`, kept under `t` and `what` until `t` moves or is written in place (its version counter), made outside
-    inference mode so that it has a counter too. Made afresh each call for an inference `t` (no counter), and kept by no
-    CUDA-graph capture (a captured kernel runs only on replay)."""
-    if t.is_inference():
-        return make(t)
-    key, hit = (t.device, t.data_ptr(), t._version), _DERIVED.get(t, {}).get(what)
-    if hit is None or hit[0] != key:
-        with torch.inference_mode(False):
-            hit = (key, make(t))
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _DERIVED.setdefault(t, {})[what] = hit
-    return hit[1]
 
 _CONSTANTS: dict = {}
 
