@@ -382,14 +382,13 @@ def load_block(self: W4A4GemmPg, loads: PgLoads, load_pipe, prod, c: PgTileCopie
 
 @patch
 @cute.jit
-def load_lora(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, lora_pipe, lprod, rank, m, n):
-    "The LoRA blocks of tile `(m, n)` into LoRA stage `lprod.index`: activation rows split across a pair and multicast."
+def load_lora(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, lora_pipe, lprod, rank, mask, m, n):
+    "The LoRA blocks of tile `(m, n)` into LoRA stage `lprod.index`: activation rows split across a pair and multicast (`mask`, as for the tile's activations)."
     bm, bn, R = self.bm, self.bn, self.lora_rank
     sLA = st.lora_act.get_tensor(layouts.lora_act.outer, swizzle=layouts.lora_act.inner)   # (BM, R, L)
     sLU = st.lora_up.get_tensor(layouts.lora_up.outer, swizzle=layouts.lora_up.inner)      # (BN, R, L)
     tLsA, tLgA = tma_split(loads.la, sLA, cute.local_tile(loads.la_g, (bm, R), (m, None)), rank, self.cluster_n)
     tLsU, tLgU = tma_split(loads.lu, sLU, cute.local_tile(loads.lu_g, (bn, R), (n, None)))
-    mask = cute.make_layout_image_mask(cute.make_layout((1, self.cluster_n, 1)), (0, rank, 0), mode=1)
     lora_pipe.producer_acquire(lprod)
     lbar = lora_pipe.producer_get_barrier(lprod)
     cute.copy(loads.la, tLgA[(None, 0)], tLsA[(None, lprod.index)], tma_bar_ptr=lbar, mcast_mask=mask)
@@ -408,7 +407,7 @@ def load(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, load_pipe, lo
             self.load_block(loads, load_pipe, prod, copies, k)
             prod.advance()
         if cutlass.const_expr(self.lora_rank > 0):
-            self.load_lora(st, loads, layouts, lora_pipe, lprod, cta.rank, m, n)
+            self.load_lora(st, loads, layouts, lora_pipe, lprod, cta.rank, copies.mask, m, n)
             lprod.advance()
 
 @patch
@@ -793,7 +792,7 @@ class W4A4GemmPgV1(W4A4GemmPg):
         if warp == self.roles.load_warp:
             if cutlass.const_expr(self.lora_rank > 0):
                 lprod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.lstages)
-                self.load_lora(st, loads, layouts, lora_pipe, lprod, cta.rank, m, n)
+                self.load_lora(st, loads, layouts, lora_pipe, lprod, cta.rank, copies.mask, m, n)
             for k in cutlass.range_constexpr(min(self.stages, self.k_tiles)):
                 prod = pipeline.PipelineState(self.stages, cutlass.Int32(k), cutlass.Int32(k), cutlass.Int32(1))
                 self.load_block(loads, load_pipe, prod, copies, k)
