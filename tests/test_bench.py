@@ -3,6 +3,7 @@ W4A8), baselines on CPU, the method registry with its lazily looked-up kernels, 
 (`workloads`), the floor check, the int4_pg targets, tables and README text (`report`), and the GPU runs."""
 import argparse
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -24,7 +25,7 @@ from w4a4_book.bench.workloads import (ALL_METHODS, DIAGNOSTICS, KERNELS, METHOD
                                        kernel_method, make_workload, naive_dequant, torch_bf16, torch_fp8_rowwise)
 from w4a4_book.formats import dequantize, quantize
 from w4a4_book.operands import Problem
-from w4a4_book.records import data_dir, load_record, provenance, save_record
+from w4a4_book.records import data_dir, list_records, load_record, provenance, save_record
 from w4a4_book.reference import w4a4_gemm_ref
 from w4a4_book.smem import HopperV1Config, HopperV2Config
 
@@ -43,6 +44,17 @@ def test_shapes_exactly_as_specified():
             bench_problems(bad)
     with pytest.raises(ValueError, match="ranks"):
         bench_problems(ranks=[])
+
+
+def test_m1024_is_a_named_set_outside_all():
+    "M=1024 at the four layers, rank 32: named by `--shapes m1024` (bench and bench-layer), never part of `all`."
+    kn = [(3840, 3072), (3840, 15360), (15360, 3840), (10240, 3072)]
+    assert bench_problems("m1024") == [(1024, n, k, 32) for k, n in kn]
+    assert 1024 not in {M for M, *_ in bench_problems()}
+    args = _parser().parse_args(["--shapes", "m1024"])
+    assert bench_problems(args.shapes, args.ranks) == bench_problems("m1024") and report._tag(args) == "m1024"
+    assert bench_layer.layer_shapes("m1024") == [(1024, k, n) for k, n in kn]
+    assert bench_layer.layer_shapes() == [s for name in ("m4352", "m256", "m1024") for s in bench_layer.layer_shapes(name)]
 
 
 def test_tflops_and_mfu_arithmetic():
@@ -888,3 +900,41 @@ def test_recorded_activation_runs_tell_the_grid_sweep_apart():
     grid = layer.recorded_runs(p.parse_args(["--activation", "--grid", "--shapes", "m4352"]))
     assert plain and grid
     assert all("--grid" not in prov["command"] for prov, _ in plain) and all("--grid" in prov["command"] for prov, _ in grid)
+
+
+def test_layer_paths_order_and_the_compiled_path_skipped_by_reason(monkeypatch):
+    "torch_fp8_compiled follows torch_fp8 and is captured like it; where torch.compile cannot make GPU kernels it alone is skipped, with the reason."
+    paths = bench_layer.LAYER_PATHS
+    assert paths.index("torch_fp8_compiled") == paths.index("torch_fp8") + 1 and paths.index("w4a4_pg_w4a8") == paths.index("w4a4_pg") + 1
+    assert "torch_fp8_compiled" not in bench_layer.EAGER_ONLY
+    monkeypatch.setattr(bench_layer, "compile_unavailable", lambda: "no triton here")
+    assert bench_layer.unavailable_paths() == {"torch_fp8_compiled": "torch.compile is unavailable: no triton here"}
+    monkeypatch.setattr(bench_layer, "compile_unavailable", lambda: None)
+    assert bench_layer.unavailable_paths() == {}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is not None, reason="checks the reason given without triton")
+def test_compile_unavailable_names_triton():
+    assert "triton" in bench_layer.compile_unavailable()
+
+
+def test_fp8_rowwise_act_is_the_torch_fp8_quantization():
+    "One fp32 scale per row, amax over 448; codes times scales give back x to E4M3's precision (3 mantissa bits)."
+    x = torch.randn(8, 256).bfloat16()
+    q, s = bench_layer.fp8_rowwise_act(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (8, 1)
+    torch.testing.assert_close(s, x.float().abs().amax(1, keepdim=True) / 448)
+    assert ((q.float() * s - x.float()).abs() <= x.float().abs() / 16 + s * 2 ** -9).all()   # half a step, normal or subnormal
+
+
+def test_layer_table_renders_every_recorded_layer_run():
+    "Records older than a path still render, `—` in its place; the fastest column is `fastest_paths`."
+    for path in list_records("layer"):
+        _, rows = load_record(path)
+        lines = bench_layer.layer_table(rows).splitlines()
+        head = lines[0].strip("| ").split(" | ")
+        cells = [dict(zip(head, ln.strip("| ").split(" | "))) for ln in lines[2:]]
+        assert len(cells) == len({(r["M"], r["K"], r["N"]) for r in rows})
+        fastest = bench_layer.fastest_paths(rows)
+        assert [c["fastest"] for c in cells] == list(fastest.values())
+        assert all(c["w4a4 / torch_fp8_compiled"] == "—" for c in cells if "torch_fp8_compiled ms" not in c)

@@ -6,7 +6,7 @@ import torch
 
 from w4a4_book import gemm
 from w4a4_book.operands import check_quant_inputs
-from w4a4_book.kernels.sm90_quant import G, MAX_RANK
+from w4a4_book.kernels.sm90_quant import G, MAX_RANK, VEC, RowCodes
 from w4a4_book.formats import quantize, reciprocal
 
 
@@ -52,6 +52,7 @@ CASES = [  # M (tails), K, R, dtype, smooth
     (4352, 3840, 128, torch.bfloat16, True),
     (1000, 1024, 256, torch.bfloat16, False),
     (257, 640, 0, torch.float16, True),
+    (256, 15360, 32, torch.bfloat16, True),
 ]
 
 
@@ -119,12 +120,23 @@ def test_int8_lanes_exact_against_quantize(fmt, M, K, R, dt, smooth):
         assert ((lora_act.float() - want).abs() <= ulp * want.abs() + 2.0 ** -16 * want.abs().max()).all()
 
 
-@pytest.mark.parametrize("mode", ["pg_rowmax", "pg_quant", "int8_quant"])
-def test_int8_lane_modes_compile_with_exact_arithmetic(mode):
+@pytest.mark.parametrize("mode", ["pg_rowmax", "int4_pg", "int8"])
+def test_int8_lane_passes_compile_with_exact_arithmetic(mode):
+    "The first pass (QuantLoraDown, pg_rowmax) and the second (RowCodes, per format): exact rounding, 16-byte loads."
     ptx, _ = gemm.compile_quant(M=300, K=1024, R=32, mode=mode)
     assert not re.search(r"div\.approx", ptx)
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == (4 if mode == "pg_rowmax" else 0)   # the LoRA product rides the first pass
-    assert len(re.findall(r"cvt\.rni\.s32\.f32", ptx)) == {"pg_rowmax": 0, "pg_quant": 33, "int8_quant": 32}[mode]
+    per_vector = {"pg_rowmax": 0, "int4_pg": VEC + 1, "int8": VEC}[mode]                 # a rounding per value (and per u)
+    assert len(re.findall(r"cvt\.rni\.s32\.f32", ptx)) == per_vector * (1 if mode == "pg_rowmax" else RowCodes.unroll)
+    # x from shared memory in four 16-byte loads and 1/smooth in eight; or x, 1/smooth and the LoRA partials from global
+    assert len(re.findall(r"ld\.[a-z]+\.v4", ptx)) == (12 if mode == "pg_rowmax" else RowCodes.unroll * 3 + 8)
+
+
+def test_row_codes_refuses_what_it_cannot_write():
+    with pytest.raises(ValueError, match="fmt='int4'"):
+        RowCodes("int4")
+    with pytest.raises(ValueError, match="mode: 'pg_quant'"):
+        gemm.compile_quant(mode="pg_quant")
 
 
 def test_activation_formats_are_checked():

@@ -23,12 +23,12 @@ from .operands import Problem, fail
 
 # %% auto #0
 __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'SCALE_DTYPE',
-           'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ACTIVATION_FORMATS', 'KernelSpec', 'register', 'spec_for',
-           'find_kernel', 'default_config', 'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build',
-           'CompileReport', 'compile_on_fakes', 'example_problem', 'compile_kernel', 'to_cute', 'compiled_kernel',
-           'LaunchArg', 'dynamic_modes', 'derived', 'launch_args', 'gemm_launcher', 'gemm_w4a4', 'compile_arguments',
-           'compile_command', 'sm_count', 'k_splits', 'compiled_quant', 'constant', 'quantize_lora_down',
-           'compile_quant']
+           'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ROW_CODES_ARGS', 'ACTIVATION_FORMATS', 'QUANT_MODES',
+           'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields', 'bind',
+           'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_on_fakes', 'example_problem',
+           'compile_kernel', 'to_cute', 'compiled_kernel', 'LaunchArg', 'dynamic_modes', 'derived', 'launch_args',
+           'gemm_launcher', 'gemm_w4a4', 'compile_arguments', 'compile_command', 'sm_count', 'k_splits',
+           'compiled_quant', 'constant', 'quantize_lora_down', 'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -450,13 +450,17 @@ def compiled_quant(key, make, tensors: list, dev):
 QUANT_ARGS = ("x", "recip_smooth", "lora_down_t", "codes", "aux", "lora")   # the activation kernel's tensors, in order
 _quant_specs: dict = {}
 
-def _launch_quant(key, make, tensors: list, dev):
-    """Launch the activation kernel `make()` (compiled once per `key`, which holds every shape) on `tensors`, through
-    `launch_args` as the GEMM is: the weight-side arguments (`recip_smooth`, `lora_down_t`) are made once per buffer."""
+ROW_CODES_ARGS = ("x", "recip_smooth", "rowmax", "codes", "base", "lora", "lora_act")   # the second pass's, in order
+
+def _launch_quant(key, make, tensors: list, dev, names=QUANT_ARGS):
+    """Launch the activation kernel `make()` (compiled once per `key`, which holds every shape) on `tensors` (one per
+    name of `names`), through `launch_args` as the GEMM is: the weight-side arguments (`recip_smooth`, `lora_down_t`)
+    are made once per buffer."""
+    assert len(names) == len(tensors), (names, len(tensors))
     fn = compiled_quant(key, make, tensors, dev)
     if key not in _quant_specs:       # static layouts: `launch_args` reads only the shapes
         from w4a4_book.kernels.sm90_parts import ArgSpec
-        _quant_specs[key] = [ArgSpec(n, None, tuple(t.shape)) for n, t in zip(QUANT_ARGS, tensors)]
+        _quant_specs[key] = [ArgSpec(n, None, tuple(t.shape)) for n, t in zip(names, tensors)]
     fn(*launch_args(tensors, _quant_specs[key], True, tensors[0].shape[0]), _stream(dev))
 
 _CONSTANTS: dict = {}
@@ -478,7 +482,7 @@ def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=A
     """`(quantize(x * (1/smooth), fmt), x @ lora_down_tᵀ)` on an sm_90 GPU; the second item is None without `lora_down_t`.
     `x` `[M, K]` and the others in bf16 or fp16, `lora_down_t` `[R, K]`. int4 (scales in `x`'s dtype) is one kernel;
     int4_pg and int8 (activations as int8, a float32 `base` per row) are two passes over `x`: the row maxima (with the
-    LoRA product), then the codes."""
+    LoRA partials), then the codes and bases (with the partials' sum)."""
     from w4a4_book.kernels.sm90_quant import QuantLoraDown, G, MAX_RANK
     if fmt not in ACTIVATION_FORMATS: fail(ValueError, "fmt", f"{fmt!r}: the activation kernel writes one of {ACTIVATION_FORMATS}")
     M, K, R = operands.check_quant_inputs(x, smooth, lora_down_t, group_size=G, max_rank=MAX_RANK)
@@ -494,40 +498,43 @@ def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=A
         scales = torch.empty(K // G, M, dtype=x.dtype, device=dev)
         _launch_quant(("quant", *sig), lambda: QuantLoraDown(R, stages, smooth is not None, ks),
                       [x, sm, ldt, data.view(torch.int32), scales, partial], dev)
-        act = QTensor(data, scales, "int4")
-    else:
-        act = _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, smooth is not None)
-    return act, (partial.sum(0).to(x.dtype) if R else None)
+        return QTensor(data, scales, "int4"), (partial.sum(0).to(x.dtype) if R else None)
+    return _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, smooth is not None)
 
 def _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, has_smooth):
-    "The two passes of the int8-lane formats: row maxima (and the LoRA partials), then `base` on the host, then the codes."
-    from w4a4_book.kernels.sm90_quant import QuantLoraDown
-    from w4a4_book.formats import INT4_MAX, INT8_MAX, PG_U_MAX
+    """The two passes of the int8-lane formats: the row maxima and the LoRA partials (`QuantLoraDown`, mode
+    `pg_rowmax`), then the codes, each row's `base` and the partials' sum (`RowCodes`). Returns `(act, lora_act)`."""
+    from w4a4_book.kernels.sm90_quant import QuantLoraDown, RowCodes
     M, K, R, ks, dev = x.shape[0], x.shape[1], sig[2], sig[6], x.device
     rowmax = torch.zeros(M, dtype=torch.int32, device=dev)                 # bits of max |x * (1/smooth)|, raised by red.max
     codes = torch.empty(M, K, dtype=torch.int8, device=dev)
     _launch_quant(("rowmax", *sig), lambda: QuantLoraDown(R, stages, has_smooth, ks, mode="pg_rowmax"),
                   [x, sm, ldt, codes.view(torch.int32), rowmax, partial], dev)
-    amax = rowmax.view(torch.float32)
-    div = lambda a, d: a / constant(float(d), (), torch.float32, dev)        # a tensor divisor: true division on CUDA
-    base = div(div(amax, INT4_MAX), PG_U_MAX) if fmt == "int4_pg" else div(amax, INT8_MAX)
-    mode = "pg_quant" if fmt == "int4_pg" else "int8_quant"
-    _launch_quant((mode, *sig), lambda: QuantLoraDown(0, stages, has_smooth, ks, mode=mode),
-                  [x, sm, ldt[:16], codes.view(torch.int32), base, partial], dev)
-    return QTensor.trusted(codes, None, fmt, base=base)      # the kernel's codes are checked by its tests, not per call
+    base = torch.empty(M, dtype=torch.float32, device=dev)
+    lora_act = torch.empty(M, R, dtype=x.dtype, device=dev) if R else constant(0.0, (1, 16), x.dtype, dev)
+    _launch_quant((fmt, *sig), lambda: RowCodes(fmt, has_smooth, R, ks),
+                  [x, sm, rowmax.view(torch.float32), codes.view(torch.int32), base, partial, lora_act], dev, ROW_CODES_ARGS)
+    act = QTensor.trusted(codes, None, fmt, base=base)      # the kernel's codes are checked by its tests, not per call
+    return act, (lora_act if R else None)
+
+QUANT_MODES = ("int4", "pg_rowmax", "int4_pg", "int8")   # `compile_quant`: QuantLoraDown's two modes, RowCodes's two formats
 
 def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mode="int4"):
-    "PTX and shared-memory bytes of the activation kernel (one `mode` of it) compiled for sm_90a on fake tensors (no GPU needed)."
+    """PTX and shared-memory bytes of one activation kernel compiled for sm_90a on fake tensors (no GPU needed):
+    `QuantLoraDown` in `mode` "int4" or "pg_rowmax", or the second pass `RowCodes` of format "int4_pg" or "int8"."""
     import cutlass
     from w4a4_book.kernels.sm90_parts import ArgSpec
-    from w4a4_book.kernels.sm90_quant import QuantLoraDown, G
-    dt = dtype or cutlass.BFloat16
-    R = R if mode in ("int4", "pg_rowmax") else 0
+    from w4a4_book.kernels.sm90_quant import QuantLoraDown, RowCodes, G
+    if mode not in QUANT_MODES: fail(ValueError, "mode", f"{mode!r}: must be one of {QUANT_MODES}")
+    dt, RL = dtype or cutlass.BFloat16, max(R, 16)
+    x, rs = ArgSpec("x", dt, (M, K), (1, 0)), ArgSpec("recip_smooth", cutlass.Float32, (K,))
+    lora = ArgSpec("lora", cutlass.Float32, (k_splits, M, RL), (2, 1, 0))
     codes = ArgSpec("codes", cutlass.Int32, (M, K // 8 if mode == "int4" else K // 4), (1, 0))
-    aux = {"int4": ArgSpec("scales", dt, (K // G, M), (1, 0)), "pg_rowmax": ArgSpec("rowmax", cutlass.Int32, (M,))}.get(
-        mode, ArgSpec("base", cutlass.Float32, (M,)))
-    specs = [ArgSpec("x", dt, (M, K), (1, 0)), ArgSpec("recip_smooth", cutlass.Float32, (K,)), ArgSpec("lora_down_t", dt, (max(R, 16), K), (1, 0)),
-             codes, aux, ArgSpec("lora", cutlass.Float32, (k_splits, M, max(R, 16)), (2, 1, 0))]
+    if mode in ("int4_pg", "int8"):
+        specs = [x, rs, ArgSpec("rowmax", cutlass.Float32, (M,)), codes, ArgSpec("base", cutlass.Float32, (M,)), lora,
+                 ArgSpec("lora_act", dt, (M, RL), (1, 0))]
+        return compile_on_fakes(RowCodes(mode, smooth, R, k_splits), specs)[0], 0
+    aux = ArgSpec("scales", dt, (K // G, M), (1, 0)) if mode == "int4" else ArgSpec("rowmax", cutlass.Int32, (M,))
     k = QuantLoraDown(R, 4, smooth, k_splits, mode=mode)
-    ptx, _ = compile_on_fakes(k, specs)
+    ptx, _ = compile_on_fakes(k, [x, rs, ArgSpec("lora_down_t", dt, (RL, K), (1, 0)), codes, aux, lora])
     return ptx, k.storage.size_in_bytes()

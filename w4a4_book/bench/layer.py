@@ -5,6 +5,9 @@
 # %% ../../nbs/09c_bench_layer.ipynb #1c0d0e04
 from __future__ import annotations
 
+import functools
+import importlib
+import platform
 import time
 
 import torch
@@ -18,43 +21,86 @@ from .timing import check_timing, gpu_key, mfu, rel_err, summarize_times, tflops
 from .workloads import FP8_MAX, bench_problems, kernel_unavailable
 
 # %% auto #0
-__all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'ACTIVATION_FORMATS', 'ACTIVATION_GRID', 'layer_paths', 'host_time',
-           'run_layer_bench', 'layer_table', 'activation_bytes', 'copy_bandwidth', 'run_activation_bench',
-           'activation_table', 'layer_shapes', 'add_arguments', 'recorded_runs', 'run']
+__all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'SPEEDUP_PATHS', 'SPEEDUP_BASES', 'ACTIVATION_FORMATS', 'ACTIVATION_GRID',
+           'fp8_rowwise_act', 'compile_unavailable', 'unavailable_paths', 'compiled_fp8_rowwise_act', 'layer_paths',
+           'host_time', 'run_layer_bench', 'fastest_paths', 'layer_table', 'activation_bytes', 'copy_bandwidth',
+           'run_activation_bench', 'activation_table', 'layer_shapes', 'add_arguments', 'recorded_runs', 'run']
 
 # %% ../../nbs/09c_bench_layer.ipynb #7cb7f5b6
-LAYER_PATHS = ("torch_bf16", "torch_fp8", "w4a4", "w4a4_torch_quant", "w4a4_pg")   # w4a4: int4 weights; w4a4_pg: int4_pg
+LAYER_PATHS = ("torch_bf16", "torch_fp8", "torch_fp8_compiled", "w4a4", "w4a4_torch_quant", "w4a4_pg", "w4a4_pg_w4a8")
+# w4a4: int4 weights and activations; w4a4_pg: int4_pg both; w4a4_pg_w4a8: int4_pg weights, int8 activations (W4A8)
 # paths that cannot be captured in a CUDA graph (a failed capture leaves the process unusable, so none is tried)
 EAGER_ONLY = {"w4a4_torch_quant": "formats.quantize checks finiteness on the host, a synchronisation"}
-LAYER_SETS = ("m4352", "m256")   # the benchmark's shape sets the layer is timed on; "all" is both
+LAYER_SETS = ("m4352", "m256", "m1024")   # the benchmark's shape sets the layer is timed on; "all" is every one
+
+def fp8_rowwise_act(x: torch.Tensor) -> tuple:
+    "E4M3 codes and fp32 `[M, 1]` scales of `x`, one scale per row: the FP8 layers' quantization of their input."
+    sx = (x.float().abs().amax(1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    return (x.float() / sx).to(torch.float8_e4m3fn), sx
+
+@functools.cache
+def compile_unavailable() -> str | None:
+    "Why `torch.compile` cannot make GPU kernels in this process, as a sentence, or None when it can; checked once."
+    if not torch._dynamo.is_dynamo_supported():
+        return f"torch.compile does not support Python {platform.python_version()}"
+    try:
+        importlib.import_module("triton")          # inductor writes its GPU kernels in triton
+    except ImportError as e:
+        return f"inductor has no GPU code generator: triton cannot be imported ({e})"
+    return None
+
+def unavailable_paths() -> dict:
+    "`{path: why}` for the paths of `LAYER_PATHS` this process cannot run: `run_layer_bench` leaves their rows out."
+    why = compile_unavailable()
+    return {} if why is None else {"torch_fp8_compiled": f"torch.compile is unavailable: {why}"}
+
+@functools.cache
+def compiled_fp8_rowwise_act():
+    "`fp8_rowwise_act` under `torch.compile(fullgraph=True, dynamic=False)`, made once per process; one graph per shape."
+    return torch.compile(fp8_rowwise_act, fullgraph=True, dynamic=False)
+
+def _compiled_act_for(x: torch.Tensor):
+    """`compiled_fp8_rowwise_act()`, compiled now for `x` under no_grad as the timed calls run (untimed setup), past
+    dynamo's `recompile_limit`: a full run has more shapes than it allows one function, and fullgraph raises past it."""
+    quant = compiled_fp8_rowwise_act()
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.accumulated_recompile_limit):
+        quant(x)
+    return quant
 
 def layer_paths(M: int, K: int, N: int, R: int = 32, seed: int = 0) -> tuple:
-    "`({path: callable}, fp32 reference)` for one `M×K → N` layer with a rank-`R` branch, built on the current GPU."
+    """`({path: callable}, fp32 reference)` for one `M×K → N` layer with a rank-`R` branch, built on the current GPU:
+    the paths of `LAYER_PATHS`, in its order, but those of `unavailable_paths()`."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     lin = nn.Linear(K, N, device="cuda")
     with torch.no_grad():
         lin.weight.copy_(torch.randn(N, K, device="cuda", generator=g) / K ** 0.5)
         lin.bias.copy_(torch.randn(N, device="cuda", generator=g) * 0.1)
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
-    layer = W4A4Linear.from_linear(lin, rank=R, act_sample=x[:256].float(), dtype=torch.bfloat16, backend="sm90", fmt="int4")
-    pg = W4A4Linear.from_linear(lin, rank=R, act_sample=x[:256].float(), dtype=torch.bfloat16, backend="sm90", fmt="int4_pg")
+    def convert(fmt, act_fmt=None):
+        return W4A4Linear.from_linear(lin, rank=R, act_sample=x[:256].float(), dtype=torch.bfloat16, backend="sm90",
+                                      fmt=fmt, act_fmt=act_fmt)
+    layer, pg, pg_w4a8 = convert("int4"), convert("int4_pg"), convert("int4_pg", act_fmt="int8")
     down, up = layer.lora_down, layer.lora_up
     # the torch paths run the same split: a residual weight plus the LoRA branch, together equal to lin.weight
     w_res = lin.weight.detach() - up.float() @ down.float().T
     w, b = w_res.bfloat16(), lin.bias.detach().bfloat16()
     sw = (w_res.abs().amax(1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
     wq, sw = (w_res / sw).to(torch.float8_e4m3fn), sw.reshape(1, -1).float()
-    def torch_fp8():
-        sx = (x.float().abs().amax(1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
-        xq = (x.float() / sx).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(xq, wq.T, scale_a=sx, scale_b=sw, bias=b, out_dtype=torch.bfloat16, use_fast_accum=True)
-        return y.addmm_(x @ down, up.T)
+    def fp8_layer(quantize_x):
+        def forward():
+            xq, sx = quantize_x(x)
+            y = torch._scaled_mm(xq, wq.T, scale_a=sx, scale_b=sw, bias=b, out_dtype=torch.bfloat16, use_fast_accum=True)
+            return y.addmm_(x @ down, up.T)
+        return forward
     def torch_quant():
         act, lora_act = layer.quantize_input(x)
         return gemm.gemm_w4a4(act, layer.qweight, lora_act, up, layer.wcscales, layer.bias, out_dtype=layer.dtype,
                               config=layer.kernel_config)
-    paths = {"torch_bf16": lambda: F.linear(x, w, b).addmm_(x @ down, up.T), "torch_fp8": torch_fp8,
-             "w4a4": lambda: layer(x), "w4a4_torch_quant": torch_quant, "w4a4_pg": lambda: pg(x)}
+    paths = {"torch_bf16": lambda: F.linear(x, w, b).addmm_(x @ down, up.T), "torch_fp8": fp8_layer(fp8_rowwise_act)}
+    if "torch_fp8_compiled" not in unavailable_paths():
+        paths["torch_fp8_compiled"] = fp8_layer(_compiled_act_for(x))
+    paths |= {"w4a4": lambda: layer(x), "w4a4_torch_quant": torch_quant, "w4a4_pg": lambda: pg(x),
+              "w4a4_pg_w4a8": lambda: pg_w4a8(x)}
     with torch.no_grad():
         ref = lin(x.float())
     return paths, ref
@@ -80,6 +126,8 @@ def run_layer_bench(shapes, R: int = 32, iters: int = 50, warmup: int = 10, quie
     With `graph` each path is timed as a CUDA-graph replay (`timing` "graph"), except those of `EAGER_ONLY`; an eager
     row also has the host's time per call (`host_time`) as `host_median_ms`, `host_p10_ms` and `host_p90_ms`."""
     gpu, rows = torch.cuda.get_device_name(), []
+    for name, why in unavailable_paths().items():
+        if not quiet: print(f"skipped {name}: {why}", flush=True)
     for M, K, N in shapes:
         paths, ref = layer_paths(M, K, N, R)
         for name, fn in paths.items():
@@ -96,24 +144,47 @@ def run_layer_bench(shapes, R: int = 32, iters: int = 50, warmup: int = 10, quie
         torch.cuda.empty_cache()
     return rows
 
+SPEEDUP_PATHS = ("w4a4", "w4a4_pg", "w4a4_pg_w4a8")                              # the W4A4 paths `layer_table` gives speed-ups of
+SPEEDUP_BASES = ("torch_fp8", "torch_bf16", "torch_fp8_compiled")   # ... over these torch layers
+
+def _layer_times(rows: list) -> dict:
+    "`{(M, K, N): {path: median ms}}` of `rows`, checked to be timed rows of `run_layer_bench`."
+    if not isinstance(rows, (list, tuple)) or not all(isinstance(r, dict) for r in rows):
+        raise TypeError(f"rows must be a list of dicts, got {type(rows).__name__}")
+    times = {}
+    for i, r in enumerate(rows):
+        missing = [k for k in ("method", "M", "K", "N", "R", "median_ms") if r.get(k) is None]
+        if missing:
+            raise ValueError(f"rows[{i}] lacks {', '.join(missing)}")
+        times.setdefault((r["M"], r["K"], r["N"]), {})[r["method"]] = r["median_ms"]
+    return times
+
+def fastest_paths(rows: list) -> dict:
+    "`{(M, K, N): path}`: the path with the shortest median time on each layer of `rows` (the first listed on a tie)."
+    return {layer: min(ms, key=ms.get) for layer, ms in _layer_times(rows).items()}
+
+def _speedup(ms: dict, path: str, base: str) -> str:
+    "`base`'s time over `path`'s, as `1.23×`, or `—` where either path has no row."
+    return f"{ms[base] / ms[path]:.2f}×" if path in ms and base in ms else "—"
+
 def layer_table(rows: list) -> str:
-    "Milliseconds per forward and each path's speed-up over `torch_fp8`, one line per shape."
-    by = {(r["method"], r["M"], r["K"], r["N"]): r for r in rows}
-    shapes = list(dict.fromkeys((r["M"], r["K"], r["N"], r["R"]) for r in rows))
+    """Milliseconds per forward, the speed-ups of the W4A4 paths over the torch layers and of the fused activation
+    kernel, and the fastest path, one line per shape; `—` where a path has no row (older records, skipped paths)."""
+    times, fastest = _layer_times(rows), fastest_paths(rows)
+    host = {(r["method"], r["M"], r["K"], r["N"]): r["host_median_ms"] for r in rows if "host_median_ms" in r}
+    present = [p for p in LAYER_PATHS if any(p in ms for ms in times.values())]
     out = []
-    for M, K, N, R in shapes:
-        base = by[("torch_fp8", M, K, N)]["median_ms"]
-        line = {"M×K→N": f"{M}×{K}→{N}", "R": R}
-        for p in LAYER_PATHS:
-            if (p, M, K, N) in by:                     # records from before a path existed lack it
-                line[f"{p} ms"] = f"{by[(p, M, K, N)]['median_ms']:.3f}"
+    for M, K, N, R in dict.fromkeys((r["M"], r["K"], r["N"], r["R"]) for r in rows):
+        ms = times[(M, K, N)]
+        line = {"M×K→N": f"{M}×{K}→{N}", "R": R, **{f"{p} ms": f"{ms[p]:.3f}" if p in ms else "—" for p in present}}
         for p in ("w4a4", "w4a4_pg"):                  # eager records since host time was measured
-            if "host_median_ms" in by.get((p, M, K, N), {}):
-                line[f"{p} host µs"] = f"{by[(p, M, K, N)]['host_median_ms'] * 1e3:.1f}"
-        line["w4a4 / torch_fp8"] = f"{base / by[('w4a4', M, K, N)]['median_ms']:.2f}×"
-        if ("w4a4_pg", M, K, N) in by:
-            line["w4a4_pg / torch_fp8"] = f"{base / by[('w4a4_pg', M, K, N)]['median_ms']:.2f}×"
-        line["w4a4 / w4a4_torch_quant"] = f"{by[('w4a4_torch_quant', M, K, N)]['median_ms'] / by[('w4a4', M, K, N)]['median_ms']:.2f}×"
+            if (p, M, K, N) in host:
+                line[f"{p} host µs"] = f"{host[(p, M, K, N)] * 1e3:.1f}"
+        for p in SPEEDUP_PATHS:
+            if p in present:
+                line |= {f"{p} / {base}": _speedup(ms, p, base) for base in SPEEDUP_BASES}
+        line["w4a4 / w4a4_torch_quant"] = _speedup(ms, "w4a4", "w4a4_torch_quant")
+        line["fastest"] = fastest[(M, K, N)]
         out.append(line)
     return markdown_table(out)
 
@@ -182,7 +253,7 @@ def activation_table(rows: list) -> str:
 
 # %% ../../nbs/09c_bench_layer.ipynb #1c0d0e0d
 def layer_shapes(which: str = "all") -> list:
-    "The `(M, K, N)` layers of `bench-layer --shapes which`: the benchmark's `m4352` and `m256` layers, or both (`all`)."
+    "The `(M, K, N)` layers of `bench-layer --shapes which`: the benchmark's `m4352`, `m256` or `m1024` layers, or all three (`all`)."
     if which not in (*LAYER_SETS, "all"):
         raise ValueError(f"which must be one of {', '.join((*LAYER_SETS, 'all'))}, got {which!r}")
     sets = LAYER_SETS if which == "all" else (which,)
@@ -190,7 +261,7 @@ def layer_shapes(which: str = "all") -> list:
 
 def add_arguments(p) -> None:
     "Options of `w4a4-book bench-layer`."
-    p.add_argument("--shapes", choices=(*LAYER_SETS, "all"), default="all", help="M=4352, M=256 or both, at the benchmark (K, N)")
+    p.add_argument("--shapes", choices=(*LAYER_SETS, "all"), default="all", help="M=4352, M=256, M=1024 or all three, at the benchmark (K, N)")
     p.add_argument("--rank", type=int, default=32, help="LoRA rank, a positive multiple of 16 (default 32)")
     p.add_argument("--iters", type=int, default=50, help="timed calls per layer and method (default 50)")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays: GPU time without the per-call host work")
@@ -228,7 +299,8 @@ def run(args) -> int:
         what = f"{'activation' if args.activation else 'layer'} runs at rank {args.rank}{' (CUDA graphs)' if args.graph else ''}"
         print(f"Nothing is measured here ({why_not}). " + (f"Recorded {what} follow." if runs else f"No recorded {what}."))
         for prov, rows in runs:
-            print(f"recorded on the {prov['gpu']} ({prov['date'][:10]}, commit {prov['commit'][:10]}); re-measure: {prov['command']}")
+            print(f"recorded on the {prov['gpu']} ({prov['date'][:10]}, commit {prov['commit'][:10]}); re-measure: {prov['command']}"
+                  + "".join(f"; skipped {p}: {why}" for p, why in prov.get("skipped", {}).items()))
             print(activation_table(rows) if args.activation else layer_table(rows))
         return 0
     shapes = layer_shapes(args.shapes)
@@ -240,7 +312,8 @@ def run(args) -> int:
     gpu = torch.cuda.get_device_name()
     path = args.out or data_dir() / f"layer_{gpu_key(gpu).lower().replace(' ', '-')}{'_graph' if graph else ''}.json"
     cmd = f"w4a4-book bench-layer --shapes {args.shapes} --rank {args.rank} --iters {args.iters}" + (" --graph" if graph else "")
-    prov = provenance(cmd, [list(s) for s in shapes], kind="layer", rank=args.rank, timing="cuda_graph" if graph else "eager")
+    prov = provenance(cmd, [list(s) for s in shapes], kind="layer", rank=args.rank, timing="cuda_graph" if graph else "eager",
+                      skipped=unavailable_paths())
     print(f"saved {save_record(path, prov, rows)}")
     return 0
 

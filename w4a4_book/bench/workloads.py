@@ -21,28 +21,31 @@ from ..smem import HopperV1Config, HopperV2Config
 from .timing import check_timing, mfu, peak_for, rel_err, require_cuda, tflops, time_cuda
 
 # %% auto #0
-__all__ = ['LAYER_KN', 'GROUP_RANKS', 'SHAPE_SETS', 'OUT_DTYPES', 'WORKLOAD_FORMATS', 'BENCH_FORMATS', 'FP8_MAX', 'BASELINES',
-           'KERNELS', 'METHODS', 'STOCK_GEMM_ENV', 'STOCK_TILE', 'STOCK_CLUSTER', 'STOCK_GEMMS', 'DIAGNOSTICS',
-           'PG_KERNEL', 'PG_KERNELS', 'DEFAULT_METHODS', 'ALL_METHODS', 'bench_problems', 'Workload', 'make_workload',
-           'torch_bf16', 'torch_fp8_rowwise', 'byte_table', 'dequantize_bf16', 'naive_dequant', 'Method', 'KernelRef',
-           'resolve_config', 'kernel_method', 'kernel_unavailable', 'torch_fp8_gemm', 'stock_gemm_kernel', 'stock_gemm',
-           'stock_fp8_gemm', 'stock_int8_gemm', 'stock_gemm_ptx', 'pure_kernel_method', 'default_methods', 'run_bench']
+__all__ = ['LAYER_KN', 'GROUP_RANKS', 'EXTRA_GROUP_RANKS', 'SHAPE_SETS', 'OUT_DTYPES', 'WORKLOAD_FORMATS', 'BENCH_FORMATS',
+           'FP8_MAX', 'BASELINES', 'KERNELS', 'METHODS', 'STOCK_GEMM_ENV', 'STOCK_TILE', 'STOCK_CLUSTER', 'STOCK_GEMMS',
+           'DIAGNOSTICS', 'PG_KERNEL', 'PG_KERNELS', 'DEFAULT_METHODS', 'ALL_METHODS', 'bench_problems', 'Workload',
+           'make_workload', 'torch_bf16', 'torch_fp8_rowwise', 'byte_table', 'dequantize_bf16', 'naive_dequant',
+           'Method', 'KernelRef', 'resolve_config', 'kernel_method', 'kernel_unavailable', 'torch_fp8_gemm',
+           'stock_gemm_kernel', 'stock_gemm', 'stock_fp8_gemm', 'stock_int8_gemm', 'stock_gemm_ptx',
+           'pure_kernel_method', 'default_methods', 'run_bench']
 
 # %% ../../nbs/09_bench.ipynb #fad40496
 LAYER_KN = ((3840, 3072), (3840, 15360), (15360, 3840), (10240, 3072))   # (K, N) of the benchmarked layers
-GROUP_RANKS = {"m4352": (32, 128), "m256": (32,), "8192": (32,)}
-SHAPE_SETS = (*GROUP_RANKS, "all")
+GROUP_RANKS = {"m4352": (32, 128), "m256": (32,), "8192": (32,)}   # the groups of "all", fixed by the specification
+EXTRA_GROUP_RANKS = {"m1024": (32,)}   # sets outside "all", named on their own: M=1024, for the small-M issue
+SHAPE_SETS = (*GROUP_RANKS, *EXTRA_GROUP_RANKS, "all")
 
 def bench_problems(which: str = "all", ranks: Sequence[int] | None = None) -> list[tuple[int, int, int, int]]:
-    "The `(M, N, K, R)` problems of set `which` (`m4352`, `m256`, `8192`, `all`); `ranks` replaces each group's ranks."
+    """The `(M, N, K, R)` problems of set `which` (`m4352`, `m256`, `8192`, `all` of those three, or `m1024`);
+    `ranks` replaces each group's ranks."""
     if which not in SHAPE_SETS:
         raise ValueError(f"which must be one of {', '.join(SHAPE_SETS)}, got {which!r}")
     if ranks is not None and (not ranks or any(not isinstance(r, int) or r <= 0 for r in ranks)):
         raise ValueError(f"ranks must be a non-empty list of positive ints, got {ranks!r}")
-    shapes = {"m4352": [(4352, n, k) for k, n in LAYER_KN], "m256": [(256, n, k) for k, n in LAYER_KN],
-              "8192": [(8192, 8192, 8192)]}
+    shapes = {f"m{m}": [(m, n, k) for k, n in LAYER_KN] for m in (4352, 256, 1024)} | {"8192": [(8192, 8192, 8192)]}
+    set_ranks = {**GROUP_RANKS, **EXTRA_GROUP_RANKS}
     groups = list(GROUP_RANKS) if which == "all" else [which]
-    return [(m, n, k, r) for g in groups for m, n, k in shapes[g] for r in (ranks or GROUP_RANKS[g])]
+    return [(m, n, k, r) for g in groups for m, n, k in shapes[g] for r in (ranks or set_ranks[g])]
 
 # %% ../../nbs/09_bench.ipynb #7ae82523
 @dataclass(frozen=True, eq=False)
