@@ -84,13 +84,13 @@ def test_exact_against_quantize(M, K, R, dt, smooth):
 
 
 def test_k_splits_fill_the_gpu():
-    "Enough shares of K for `ctas_per_sm` CTAs per SM (default eight), each share a whole number of K-blocks; one share when rows suffice."
+    "Enough shares of K for `ctas_per_sm` CTAs per SM (default four), each share a whole number of K-blocks; one share when rows suffice."
     assert gemm.k_splits(68, 60, 132, 2) == 4     # M=4352, two CTAs per SM: 272 CTAs
-    assert gemm.k_splits(68, 60, 132) == 20       # the default, eight per SM: 1360 CTAs
+    assert gemm.k_splits(68, 60, 132) == 10       # the default, four per SM: 680 CTAs
     assert gemm.k_splits(4, 240, 132, 2) == 80    # M=256, K=15360: 66 wanted, 80 is the next divisor
     assert gemm.k_splits(1, 2, 132, 2) == 2       # K shorter than wanted: every K-block its own CTA
     assert gemm.k_splits(300, 60, 132, 2) == 1
-    assert gemm.k_splits(300, 60, 132) == 4       # 300 row tiles, eight CTAs per SM wanted: 4 shares
+    assert gemm.k_splits(300, 60, 132) == 2       # 300 row tiles, four CTAs per SM wanted: 2 shares
 
 
 @pytest.mark.gpu

@@ -430,7 +430,7 @@ def sm_count(device_index) -> int:
         _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
     return _sm_counts[device_index]
 
-ACT_CTAS_PER_SM = 8      # the activation kernel's grid: at least this many CTAs per SM (`k_splits`; measured, chapter 8a)
+ACT_CTAS_PER_SM = 4      # the activation kernel's grid: at least this many CTAs per SM (`k_splits`; measured, chapter 8a)
 ACT_STAGES = 2           # its ring depth: two stages let the most CTAs share an SM (measured, chapter 8a)
 
 def k_splits(m_tiles: int, k_blocks: int, num_sms: int, ctas_per_sm: int = ACT_CTAS_PER_SM) -> int:
