@@ -380,3 +380,12 @@ def test_host_time_per_stubbed_forward_is_reported(stubbed_sm90, fmt, capsys):
     with capsys.disabled():
         print(f"\n{fmt} stubbed sm90 forward, M={x.shape[0]}: host {t['median_ms'] * 1e3:.1f} us per call "
               f"(p10 {t['p10_ms'] * 1e3:.1f}, p90 {t['p90_ms'] * 1e3:.1f})")
+
+
+def test_the_op_chooses_its_tile_for_the_batch():
+    "`w4a4::linear` builds its problem with the batch's M, so the default kernel's tile follows M (`gemm.tile_choice`)."
+    from w4a4_book.operands import Problem
+    def tile(M):
+        p = Problem(M, 3072, 3840, 32, scale_dtype=torch.uint8, fmt="int4_pg")
+        return ops._kernel("sm90", torch.zeros(M, 3840), p, "").tile_m
+    assert (tile(256), tile(4352)) == (64, 256)

@@ -168,7 +168,9 @@ def w4a4_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_b
     '' for the format's default) or 'auto' (the kernels where they can run). Registered as `torch.ops.w4a4.linear`."""
     _check_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up,
                   wcscales, bias, fmt, act_fmt, backend, config)
-    problem = Problem(1, qweight_data.shape[0], x.shape[1], 0 if lora_up is None else lora_up.shape[1],
+    # the real M (at least 1: an empty batch is a problem of one row): the default kernel's tile is chosen for the
+    # problem (`gemm.tile_choice`), and at small M a narrower one wins
+    problem = Problem(max(x.shape[0], 1), qweight_data.shape[0], x.shape[1], 0 if lora_up is None else lora_up.shape[1],
                       scale_dtype=qweight_scales.dtype, lora_dtype=smooth.dtype, out_dtype=smooth.dtype, fmt=fmt, act_fmt=act_fmt)
     kernel = _kernel(backend, x, problem, config)
     wgt = weights(qweight_data, qweight_scales, fmt, qweight_global_scale, qweight_base)

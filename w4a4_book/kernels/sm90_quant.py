@@ -296,7 +296,7 @@ def pack_int8(xs, r, u, words, pg: cutlass.Constexpr):
 class RowCodes:
     """The second pass of the int8-lane formats (int4_pg, int8). Code CTAs stream `x` in 16-byte vectors, eight threads
     to a group of 64, and write each group's int8 `q·u` and each row's `base`; LoRA CTAs after them sum the first
-    pass's fp32 partials, eight consecutive `r` of a row per thread, and round once to `lora_act`'s type."""
+    pass's fp32 partials, eight consecutive `r` of a row per `lanes` threads, and round once to `lora_act`'s type."""
     threads = 256
     unroll = 2            # 16-byte vectors of x per thread, all loaded before any is used (measured: 2 beat 4 and 8)
 
@@ -304,6 +304,7 @@ class RowCodes:
         if fmt not in ("int4_pg", "int8"): raise ValueError(f"fmt={fmt!r}: the second pass writes int4_pg or int8")
         if rank % VEC: raise ValueError(f"rank={rank}: must be a multiple of {VEC}")
         self.pg, self.has_smooth, self.rank, self.k_splits = fmt == "int4_pg", has_smooth, rank, k_splits
+        self.lanes = 1 << (min(k_splits, 32).bit_length() - 1)    # threads per LoRA run: a power of two, at most a warp
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRecipSmooth: cute.Tensor, mRowmax: cute.Tensor, mCodes: cute.Tensor,
@@ -313,7 +314,7 @@ class RowCodes:
         M, K = cute.size(mX, mode=[0]), cute.size(mX, mode=[1])
         per_cta = self.threads * self.unroll
         code_ctas = (M * (K // VEC) + per_cta - 1) // per_cta
-        lora_ctas = (M * (self.rank // VEC) + self.threads - 1) // self.threads
+        lora_ctas = (M * (self.rank // VEC) * self.lanes + self.threads - 1) // self.threads
         self.kernel(mX, mRecipSmooth, mRowmax, mCodes, mBase, mLora, mLoraAct, code_ctas).launch(
             grid=(code_ctas + lora_ctas, 1, 1), block=[self.threads, 1, 1], stream=stream)
 
@@ -379,21 +380,28 @@ class RowCodes:
 
     @cute.jit
     def lora_sum(self, mLora, mLoraAct, lora_cta):
-        "Eight consecutive `r` of one row: the `k_splits` partials added in order of K, rounded once to the output type."
+        """Eight consecutive `r` of one row per `lanes` threads: lane j adds partials j, j + lanes, ... in order of K, a
+        butterfly adds the lanes' sums (a fixed order: the result is the same on every run), lane 0 rounds once."""
         tidx, _, _ = cute.arch.thread_idx()
         per_row = self.rank // VEC
         i = lora_cta * self.threads + tidx
-        if i < cute.size(mLoraAct, mode=[0]) * per_row:
-            row, c = i // per_row, i % per_row
-            gP = cute.zipped_divide(mLora, (1, 1, VEC))              # ((1, 1, VEC), (k_splits, M, R/VEC))
-            gO = cute.zipped_divide(mLoraAct, (1, VEC))              # ((1, VEC), (M, R/VEC))
-            acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-            acc.fill(0.0)
-            part = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-            for s in cutlass.range(self.k_splits, unroll=4):
+        run, lane = i // self.lanes, i % self.lanes
+        row, c = run // per_row, run % per_row
+        in_range = run < cute.size(mLoraAct, mode=[0]) * per_row
+        gP = cute.zipped_divide(mLora, (1, 1, VEC))                  # ((1, 1, VEC), (k_splits, M, R/VEC))
+        gO = cute.zipped_divide(mLoraAct, (1, VEC))                  # ((1, VEC), (M, R/VEC))
+        acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        acc.fill(0.0)
+        part = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        if in_range:
+            for s in cutlass.range(lane, self.k_splits, self.lanes):
                 cute.copy(copy_16b(cutlass.Float32), gP[(0, 0, None), (s, row, c)], part)
                 for j in cutlass.range_constexpr(VEC):
                     acc[j] = acc[j] + part[j]
+        for b in cutlass.range_constexpr(self.lanes.bit_length() - 1):   # every lane, in range or not
+            for j in cutlass.range_constexpr(VEC):
+                acc[j] = acc[j] + cute.arch.shuffle_sync_bfly(acc[j], offset=self.lanes >> (b + 1))
+        if in_range and lane == 0:
             out = cute.make_rmem_tensor((VEC,), mLoraAct.element_type)
             out.store(acc.load().to(mLoraAct.element_type))
             cute.copy(copy_16b(mLoraAct.element_type), out, gO[(0, None), (row, c)])
