@@ -22,10 +22,11 @@ from .workloads import ALL_METHODS, BENCH_FORMATS, SHAPE_SETS, bench_problems, d
 
 # %% auto #0
 __all__ = ['FLOOR_FRACTION', 'VALUE_FORMATS', 'RATIO_PAIRS', 'PG_TARGETS', 'GEOMEAN_M', 'GEOMEAN_R', 'README_RECORDS',
-           'LORA_RECORD', 'README_COLUMNS', 'PG_README_RECORDS', 'PG_README_COLUMNS', 'bench_path', 'save_bench',
-           'mfu_floors', 'check_floors', 'latest_record', 'recorded_rows', 'bench_table', 'plot_bench', 'speedups',
-           'ratio_table', 'geomean', 'pg_targets', 'target_lines', 'record_line', 'recorded_report', 'large_m',
-           'readme_table', 'standing', 'lora_line', 'pg_readme', 'readme_results', 'add_arguments', 'run', 'bench_cli']
+           'LORA_RECORD', 'README_COLUMNS', 'LAYER_README_RECORDS', 'LAYER_README_PATHS', 'PG_README_RECORDS',
+           'PG_README_COLUMNS', 'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record',
+           'recorded_rows', 'bench_table', 'plot_bench', 'speedups', 'ratio_table', 'geomean', 'pg_targets',
+           'target_lines', 'record_line', 'recorded_report', 'large_m', 'readme_table', 'standing', 'lora_line',
+           'layer_readme', 'pg_readme', 'readme_results', 'add_arguments', 'run', 'bench_cli']
 
 # %% ../../nbs/09b_report.ipynb #73c5dfaa
 FLOOR_FRACTION = 0.9   # a kernel fails --check below this fraction of its recorded MFU
@@ -307,6 +308,21 @@ def lora_line(rows: list[dict]) -> str:
         raise ValueError("rows must be a non-empty list of lora_bug rows")
     return ". ".join(parts) + "."
 
+# %% ../../nbs/09b_report.ipynb #c528aaac
+LAYER_README_RECORDS = ("layer_h200_graph_m256.json", "layer_h200_graph_m4352.json")   # the whole layer, CUDA-graph replays
+LAYER_README_PATHS = {"torch_bf16": "torch bf16", "torch_fp8_compiled": "torch FP8 (quantization compiled)",
+                      "w4a4_pg": "W4A4 (int4_pg)", "w4a4_pg_w4a8": "W4A8 (int4_pg weights)"}
+
+def layer_readme(rows: list) -> str:
+    "Microseconds per forward of each path of `LAYER_README_PATHS` and the fastest of them, one line per layer of `rows`."
+    t = {(r["method"], r["M"], r["K"], r["N"]): r["median_ms"] * 1e3 for r in rows}
+    out = []
+    for M, K, N in dict.fromkeys((r["M"], r["K"], r["N"]) for r in rows):
+        us = {p: t[(p, M, K, N)] for p in LAYER_README_PATHS if (p, M, K, N) in t}
+        out.append({"M×K→N": f"{M}×{K}→{N}", **{f"{name} µs": f"{us[p]:.0f}" if p in us else "—" for p, name in LAYER_README_PATHS.items()},
+                    "fastest": LAYER_README_PATHS[min(us, key=us.get)]})
+    return markdown_table(out)
+
 # %% ../../nbs/09b_report.ipynb #fc02edc9
 PG_README_RECORDS = ("bench_h200_int4_pg_m4352.json", "bench_h200_int4_pg_8192.json")   # the exact-integer kernel's runs
 PG_README_COLUMNS = {"torch_bf16": "torch bf16", "torch_fp8_rowwise": "torch FP8 rowwise", "cute_int8_gemm": "stock INT8 GEMM",
@@ -335,12 +351,17 @@ def readme_results(folder: str | Path | None = None) -> str:
     bench = [(name, *load_record(folder / name)) for name in README_RECORDS]
     pg = [(name, *load_record(folder / name)) for name in PG_README_RECORDS]
     rows = [r for _, _, rs in bench for r in rs]
+    layer = [(name, *load_record(folder / name)) for name in LAYER_README_RECORDS]
     lora_prov, lora_rows = load_record(folder / LORA_RECORD)
     prov = bench[0][1]
     return "\n".join([
         "**The exact-integer kernel** ([chapter 5b](nbs/05b_pg.ipynb)): int4_pg weights decoded in registers, int8 activations, "
         "INT8 wgmma over all of K; TFLOP/s of 2·M·N·K, every method of one run per shape set.", "",
         pg_readme([r for _, _, rs in pg for r in rs]), "",
+        "**The whole layer** ([chapter 8](nbs/08_layer.ipynb)): the fused activation kernel and the GEMM, microseconds per "
+        "forward as CUDA-graph replays, against torch's bf16 layer and its FP8 layer with the activation quantization "
+        "fused by `torch.compile`; R = 32, bf16 in and out.", "",
+        layer_readme([r for _, _, rs in layer for r in rs]), "",
         f"**The int4 kernels**: TFLOP/s of the main GEMM (2·M·N·K over the median of {prov['iters']} timed calls; the LoRA "
         f"product and the affine are computed but not counted) on one {prov['gpu']}, and v2's MFU against the dense FP8 peak "
         f"of {prov['mfu_peak_tflops']:.0f} TFLOP/s. The torch paths run the same LoRA and affine as separate ops. "
@@ -348,7 +369,7 @@ def readme_results(folder: str | Path | None = None) -> str:
         "[benchmarks chapter](nbs/09_bench.ipynb); the records are in `nbs/data/`.",
         "", readme_table(rows), "", standing(rows), "",
         f"[LoRA accounting](nbs/06_lora_bug.ipynb) (2-CTA pairs, M = 4352, the four layers): {lora_line(lora_rows)}", "",
-        *[f"- {record_line(name, p)}" for name, p, _ in pg + bench], f"- {record_line(LORA_RECORD, lora_prov)}"])
+        *[f"- {record_line(name, p)}" for name, p, _ in pg + layer + bench], f"- {record_line(LORA_RECORD, lora_prov)}"])
 
 # %% ../../nbs/09b_report.ipynb #849a0826
 def add_arguments(p: argparse.ArgumentParser) -> None:
