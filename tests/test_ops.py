@@ -277,7 +277,7 @@ def stubbed_sm90(monkeypatch):
     monkeypatch.setattr(gemm, "_stream", lambda dev: None)
     monkeypatch.setattr(gemm, "sm_count", lambda index: 132)
     monkeypatch.setattr(gemm, "compiled_kernel", lambda config, p, tensors, dev: lambda *args: launch(args))
-    monkeypatch.setattr(gemm, "compiled_quant", lambda key, make, tensors, dev: lambda *args: launch(args, tensors))
+    monkeypatch.setattr(gemm, "compiled_quant", lambda key, kernel, specs, tensors, dev: lambda *args: launch(args, tensors))
     return launches
 
 

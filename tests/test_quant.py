@@ -142,3 +142,25 @@ def test_row_codes_refuses_what_it_cannot_write():
 def test_activation_formats_are_checked():
     with pytest.raises(ValueError, match="fmt: 'nvfp4': the activation kernel writes one of"):
         gemm.quantize_lora_down(bf16(64, 512), fmt="nvfp4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4", "int4_pg", "int8"])
+def test_one_compiled_kernel_per_pass_serves_every_m(fmt):
+    "The activation kernels read M at run time: M = 1, 17, 256 and 4352 share one compilation per pass, each exact."
+    K, R, dev = 512, 32, torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    lam = (torch.rand(K, device="cuda", generator=g) + 0.5).bfloat16()
+    ldt = (torch.randn(R, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    before = set(gemm._compiled)
+    for M in (1, 17, 256, 4352):
+        assert gemm.k_splits(-(-M // 64), K // G, gemm.sm_count(dev.index)) == K // G   # one share count for all four
+        x = (torch.randn(M, K, device="cuda", generator=g) * 3).bfloat16()
+        act, lora_act = gemm.quantize_lora_down(x, lam, ldt, fmt=fmt)
+        ref = quantize(x.float() * reciprocal(lam.float()), fmt, torch.bfloat16 if fmt == "int4" else None)
+        ref = ref.as_int8() if fmt == "int4_pg" else ref
+        assert torch.equal(act.data, ref.data), M
+        assert torch.equal(act.scales, ref.scales) if fmt == "int4" else torch.equal(act.base, ref.base), M
+        want = x.float() @ ldt.float().T
+        assert ((lora_act.float() - want).abs() <= 2.0 ** -7 * want.abs() + 2.0 ** -16 * want.abs().max()).all(), M
+    assert len(set(gemm._compiled) - before) == (1 if fmt == "int4" else 2)   # compiled once per pass, for every M

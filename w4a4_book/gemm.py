@@ -440,11 +440,11 @@ def k_splits(m_tiles: int, k_blocks: int, num_sms: int, ctas_per_sm: int = ACT_C
     return next((d for d in range(want, k_blocks + 1) if k_blocks % d == 0), k_blocks) if want > 1 else 1
 
 # %% ../nbs/05a_gemm.ipynb #67ac19dc
-def compiled_quant(key, make, tensors: list, dev):
-    "The activation kernel `make()` compiled on first use of `key` with `to_cute(tensors)`: every layout static."
+def compiled_quant(key, kernel, specs, tensors: list, dev):
+    "The activation kernel `kernel` compiled on first use of `key` with `to_cute(tensors, specs)`: M a run-time value."
     import cutlass.cute as cute
     if key not in _compiled:
-        _compiled[key] = cute.compile(make(), *to_cute(tensors), _stream(dev))
+        _compiled[key] = cute.compile(kernel, *to_cute(tensors, specs), _stream(dev))
     return _compiled[key]
 
 QUANT_ARGS = ("x", "recip_smooth", "lora_down_t", "codes", "aux", "lora")   # the activation kernel's tensors, in order
@@ -453,15 +453,18 @@ _quant_specs: dict = {}
 ROW_CODES_ARGS = ("x", "recip_smooth", "rowmax", "codes", "base", "lora", "lora_act")   # the second pass's, in order
 
 def _launch_quant(key, make, tensors: list, dev, names=QUANT_ARGS):
-    """Launch the activation kernel `make()` (compiled once per `key`, which holds every shape) on `tensors` (one per
-    name of `names`), through `launch_args` as the GEMM is: the weight-side arguments (`recip_smooth`, `lora_down_t`)
-    are made once per buffer."""
-    assert len(names) == len(tensors), (names, len(tensors))
-    fn = compiled_quant(key, make, tensors, dev)
-    if key not in _quant_specs:       # static layouts: `launch_args` reads only the shapes
+    """Launch the activation kernel `make()` on `tensors` (one per name of `names`, each contiguous), compiled once per
+    `key` (every shape but M: the kernels read M at run time), through `launch_args` as the GEMM is: the weight-side
+    arguments (`recip_smooth`, `lora_down_t`) are made once per buffer."""
+    assert len(names) == len(tensors) and all(t.is_contiguous() for t in tensors), (names, len(tensors))
+    if key not in _quant_specs:
         from w4a4_book.kernels.sm90_parts import ArgSpec
-        _quant_specs[key] = [ArgSpec(n, None, tuple(t.shape)) for n, t in zip(names, tensors)]
-    fn(*launch_args(tensors, _quant_specs[key], True, tensors[0].shape[0]), _stream(dev))
+        kernel = make()
+        _quant_specs[key] = kernel, [ArgSpec(n, None, tuple(t.shape), tuple(range(t.dim() - 1, -1, -1)), m)
+                                     for n, t, m in zip(names, tensors, kernel.m_modes())]
+    kernel, specs = _quant_specs[key]
+    fn = compiled_quant(key, kernel, specs, tensors, dev)
+    fn(*launch_args(tensors, specs, False, tensors[0].shape[0]), _stream(dev))
 
 _CONSTANTS: dict = {}
 
@@ -492,7 +495,7 @@ def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=A
     # the kernel multiplies by the correctly rounded reciprocal, as `quantize`'s rules do (chapter 1)
     sm = derived(smooth, "recip", lambda s: reciprocal(s.float())) if smooth is not None else constant(1.0, (K,), torch.float32, dev)
     ldt = lora_down_t if lora_down_t is not None else constant(0.0, (16, K), x.dtype, dev)
-    sig = (M, K, R, x.dtype, smooth is not None, stages, ks, dev.index)   # the kernels are specialised on shapes
+    sig = (K, R, x.dtype, smooth is not None, stages, ks, dev.index)   # the kernels are specialised on every shape but M
     if fmt == "int4":
         data = torch.empty(M, K // 2, dtype=torch.uint8, device=dev)
         scales = torch.empty(K // G, M, dtype=x.dtype, device=dev)
@@ -505,7 +508,7 @@ def _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, has_smooth):
     """The two passes of the int8-lane formats: the row maxima and the LoRA partials (`QuantLoraDown`, mode
     `pg_rowmax`), then the codes, each row's `base` and the partials' sum (`RowCodes`). Returns `(act, lora_act)`."""
     from w4a4_book.kernels.sm90_quant import QuantLoraDown, RowCodes
-    M, K, R, ks, dev = x.shape[0], x.shape[1], sig[2], sig[6], x.device
+    M, K, R, ks, dev = x.shape[0], x.shape[1], sig[1], sig[5], x.device
     rowmax = torch.zeros(M, dtype=torch.int32, device=dev)                 # bits of max |x * (1/smooth)|, raised by red.max
     codes = torch.empty(M, K, dtype=torch.int8, device=dev)
     _launch_quant(("rowmax", *sig), lambda: QuantLoraDown(R, stages, has_smooth, ks, mode="pg_rowmax"),
@@ -520,7 +523,8 @@ def _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, has_smooth):
 QUANT_MODES = ("int4", "pg_rowmax", "int4_pg", "int8")   # `compile_quant`: QuantLoraDown's two modes, RowCodes's two formats
 
 def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mode="int4"):
-    """PTX and shared-memory bytes of one activation kernel compiled for sm_90a on fake tensors (no GPU needed):
+    """PTX and shared-memory bytes of one activation kernel compiled for sm_90a on fake tensors (no GPU needed), M a
+    run-time value as on the GPU:
     `QuantLoraDown` in `mode` "int4" or "pg_rowmax", or the second pass `RowCodes` of format "int4_pg" or "int8"."""
     import cutlass
     from w4a4_book.kernels.sm90_parts import ArgSpec
@@ -533,8 +537,10 @@ def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mo
     if mode in ("int4_pg", "int8"):
         specs = [x, rs, ArgSpec("rowmax", cutlass.Float32, (M,)), codes, ArgSpec("base", cutlass.Float32, (M,)), lora,
                  ArgSpec("lora_act", dt, (M, RL), (1, 0))]
-        return compile_on_fakes(RowCodes(mode, smooth, R, k_splits), specs)[0], 0
+        k = RowCodes(mode, smooth, R, k_splits)
+        return compile_on_fakes(k, [s._replace(m_mode=m) for s, m in zip(specs, k.m_modes())], dynamic_m=True)[0], 0
     aux = ArgSpec("scales", dt, (K // G, M), (1, 0)) if mode == "int4" else ArgSpec("rowmax", cutlass.Int32, (M,))
     k = QuantLoraDown(R, 4, smooth, k_splits, mode=mode)
-    ptx, _ = compile_on_fakes(k, [x, rs, ArgSpec("lora_down_t", dt, (RL, K), (1, 0)), codes, aux, lora])
+    specs = [x, rs, ArgSpec("lora_down_t", dt, (RL, K), (1, 0)), codes, aux, lora]
+    ptx, _ = compile_on_fakes(k, [s._replace(m_mode=m) for s, m in zip(specs, k.m_modes())], dynamic_m=True)
     return ptx, k.storage.size_in_bytes()

@@ -90,6 +90,10 @@ class QuantLoraDown:
         self.rank, self.stages, self.has_smooth, self.k_splits, self.mode = rank, stages, has_smooth, k_splits, mode
         self.w_stages = stages if rank else 1      # rank 0: one idle 16-row stage keeps the code uniform
 
+    def m_modes(self) -> tuple:
+        "Each argument's mode of extent M, in `__call__`'s order (None: none): M is a run-time value of the compiled kernel."
+        return (0, None, None, 0, 1 if self.mode == "int4" else 0, 1)
+
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRecipSmooth: cute.Tensor, mLdT: cute.Tensor, mCodes: cute.Tensor,
                  mAux: cute.Tensor, mLora: cute.Tensor, stream: cuda.CUstream):
@@ -305,6 +309,10 @@ class RowCodes:
         if rank % VEC: raise ValueError(f"rank={rank}: must be a multiple of {VEC}")
         self.pg, self.has_smooth, self.rank, self.k_splits = fmt == "int4_pg", has_smooth, rank, k_splits
         self.lanes = 1 << (min(k_splits, 32).bit_length() - 1)    # threads per LoRA run: a power of two, at most a warp
+
+    def m_modes(self) -> tuple:
+        "Each argument's mode of extent M, in `__call__`'s order (None: none; at rank 0 `lora_act` is a stand-in)."
+        return (0, None, 0, 0, 0, 1, 0 if self.rank else None)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRecipSmooth: cute.Tensor, mRowmax: cute.Tensor, mCodes: cute.Tensor,
