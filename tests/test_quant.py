@@ -148,7 +148,7 @@ def test_activation_formats_are_checked():
 @pytest.mark.parametrize("fmt", ["int4", "int4_pg", "int8"])
 def test_one_compiled_kernel_per_pass_serves_every_m(fmt):
     "The activation kernels read M at run time: M = 1, 17, 256 and 4352 share one compilation per pass, each exact."
-    K, R, dev = 512, 32, torch.device("cuda")
+    K, R, dev = 512, 32, torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device="cuda").manual_seed(7)
     lam = (torch.rand(K, device="cuda", generator=g) + 0.5).bfloat16()
     ldt = (torch.randn(R, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
