@@ -13,8 +13,9 @@ from dataclasses import dataclass, fields, replace
 from importlib import import_module
 from typing import Optional
 
+import weakref
+
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 import w4a4_book.smem as smem
 import w4a4_book.operands as operands
@@ -318,7 +319,18 @@ def dynamic_modes(spec, static_m: bool) -> tuple:
     order = spec.stride_order or tuple(range(len(spec.shape)))
     return (spec.m_mode,), tuple(d for d in range(len(order)) if order[d] > order[spec.m_mode])
 
-_DERIVED = WeakIdKeyDictionary()   # a buffer (a view's base) -> {what: ((device, data_ptr, version), what was made)}
+_DERIVED: dict = {}   # id of a buffer (a view's base) -> (weak reference to it, {what: ((device, data_ptr, version), made)})
+
+def _derived_cache(buf: torch.Tensor) -> dict:
+    """The `{what: (key, made)}` kept for tensor `buf`, dropped when `buf` dies. NOTES: keyed by `id` with a weak
+    reference beside it rather than a `WeakIdKeyDictionary`: a lookup is one dict probe, not a new weak reference and
+    an `__eq__` (that was a microsecond per argument, a dozen per forward); the reference tells a reused id apart."""
+    hit = _DERIVED.get(id(buf))
+    if hit is not None and hit[0]() is buf:
+        return hit[1]
+    cache, i = {}, id(buf)
+    _DERIVED[i] = (weakref.ref(buf, lambda _: _DERIVED.pop(i, None)), cache)
+    return cache
 
 def derived(t: torch.Tensor, what: str, make):
     """`make(t)`, kept under `t`'s buffer (a view's base) and `what` until `t` moves or is written in place (its version
@@ -327,12 +339,13 @@ def derived(t: torch.Tensor, what: str, make):
     if t.is_inference():
         return make(t)
     buf = t if t._base is None else t._base
-    key, hit = (t.device, t.data_ptr(), t._version), _DERIVED.get(buf, {}).get(what)
+    cache = _derived_cache(buf)
+    key, hit = (t.device, t.data_ptr(), t._version), cache.get(what)
     if hit is None or hit[0] != key:
         with torch.inference_mode(False):
             hit = (key, make(t))
         if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _DERIVED.setdefault(buf, {})[what] = hit
+            cache[what] = hit
     return hit[1]
 
 
