@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NBS = ROOT/"nbs"
 CHAPTERS = ["index", "00_package", "01_formats", "02_reference", "02a_operands", "03_smem", "03a_sm90_parts", "04_v1",
             "05_v2", "05a_gemm", "05b_pg", "06_lora_bug", "07_pipeline_depth", "07a_depth_model", "08_layer", "08a_quant", "08b_accuracy",
-            "08c_ops", "08d_block", "09a_timing", "09_bench", "09b_report", "09c_bench_layer", "10_blackwell", "10_sm100_parts", "10a_sm100_v1", "10b_sm100_v2", "11_gotchas"]
+            "08c_ops", "08d_block", "09a_timing", "09_bench", "09b_report", "09c_bench_layer", "09d_bench_block", "10_blackwell", "10_sm100_parts", "10a_sm100_v1", "10b_sm100_v2", "11_gotchas"]
 APPENDIX = ["12_running", "13_cli", "14_records"]
 CONFIG = yaml.safe_load((ROOT/"_quarto.yml").read_text())
 

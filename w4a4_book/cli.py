@@ -55,6 +55,7 @@ COMMANDS: dict[str, Command] = {
     "repro": Command("w4a4_book.repro", "reproduce the LoRA accounting experiment (recorded data without a GPU)"),
     "sweep-stages": Command("w4a4_book.sweep", "measure MFU against the main K-loop stage count on a Hopper GPU"),
     "bench-layer": Command("w4a4_book.bench.layer", "time the whole W4A4Linear forward against torch layers on a Hopper GPU"),
+    "bench-block": Command("w4a4_book.bench.block", "time the FLUX-like block in bf16, FP8 and W4A4 on a Hopper GPU"),
 }
 
 # %% ../nbs/13_cli.ipynb #1f6cbe18
