@@ -14,7 +14,7 @@ from torch import nn
 from ..block import block_inputs, flux_like_block
 from ..layers import quantize_model
 from ..records import data_dir, list_records, load_record, markdown_table, provenance, save_record
-from .layer import compile_unavailable, fp8_rowwise_act, host_time
+from .layer import compile_now, compile_unavailable, fp8_rowwise_act, host_time
 from .timing import check_timing, gpu_key, rel_err, require_cuda, time_cuda
 from .workloads import FP8_MAX, kernel_unavailable
 
@@ -117,12 +117,10 @@ def unavailable_modes() -> dict:
 
 def _mode_call(model: nn.Module, inputs: tuple, mode: str):
     """The call that `mode` times: `model(*inputs)`, or for `compiled` its `torch.compile(fullgraph=True)`, compiled here
-    by one call past dynamo's `recompile_limit` (each path's model is another compilation of the block's forward)."""
+    (`compile_now`: each path's model is another compilation of the block's forward)."""
     if mode != "compiled":
         return lambda: model(*inputs)
-    compiled = torch.compile(model, fullgraph=True)
-    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.accumulated_recompile_limit):
-        compiled(*inputs)
+    compiled = compile_now(torch.compile(model, fullgraph=True), *inputs)
     return lambda: compiled(*inputs)
 
 def _block_row(path: str, mode: str, model: nn.Module, inputs: tuple, ref: torch.Tensor, shape: dict,

@@ -22,9 +22,10 @@ from .workloads import FP8_MAX, bench_problems, kernel_unavailable
 
 # %% auto #0
 __all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'SPEEDUP_PATHS', 'SPEEDUP_BASES', 'ACTIVATION_FORMATS', 'ACTIVATION_GRID',
-           'fp8_rowwise_act', 'compile_unavailable', 'unavailable_paths', 'compiled_fp8_rowwise_act', 'layer_paths',
-           'host_time', 'run_layer_bench', 'fastest_paths', 'layer_table', 'activation_bytes', 'copy_bandwidth',
-           'run_activation_bench', 'activation_table', 'layer_shapes', 'add_arguments', 'recorded_runs', 'run']
+           'fp8_rowwise_act', 'compile_unavailable', 'unavailable_paths', 'compiled_fp8_rowwise_act', 'compile_now',
+           'layer_paths', 'host_time', 'run_layer_bench', 'fastest_paths', 'layer_table', 'activation_bytes',
+           'copy_bandwidth', 'run_activation_bench', 'activation_table', 'layer_shapes', 'add_arguments',
+           'recorded_runs', 'run']
 
 # %% ../../nbs/09c_bench_layer.ipynb #7cb7f5b6
 LAYER_PATHS = ("torch_bf16", "torch_fp8", "torch_fp8_compiled", "w4a4", "w4a4_torch_quant", "w4a4_pg", "w4a4_pg_w4a8")
@@ -59,13 +60,13 @@ def compiled_fp8_rowwise_act():
     "`fp8_rowwise_act` under `torch.compile(fullgraph=True, dynamic=False)`, made once per process; one graph per shape."
     return torch.compile(fp8_rowwise_act, fullgraph=True, dynamic=False)
 
-def _compiled_act_for(x: torch.Tensor):
-    """`compiled_fp8_rowwise_act()`, compiled now for `x` under no_grad as the timed calls run (untimed setup), past
-    dynamo's `recompile_limit`: a full run has more shapes than it allows one function, and fullgraph raises past it."""
-    quant = compiled_fp8_rowwise_act()
+def compile_now(compiled, *args):
+    """Call the `torch.compile`d `compiled` once on `args` under no_grad, as the timed calls run, past dynamo's
+    `recompile_limit` (a benchmark compiles one function for more shapes or models than it allows, and fullgraph raises
+    past it), so that its compilation is untimed setup; returns `compiled`."""
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.accumulated_recompile_limit):
-        quant(x)
-    return quant
+        compiled(*args)
+    return compiled
 
 def layer_paths(M: int, K: int, N: int, R: int = 32, seed: int = 0) -> tuple:
     """`({path: callable}, fp32 reference)` for one `M×K → N` layer with a rank-`R` branch, built on the current GPU:
@@ -98,7 +99,7 @@ def layer_paths(M: int, K: int, N: int, R: int = 32, seed: int = 0) -> tuple:
                               config=layer.kernel_config)
     paths = {"torch_bf16": lambda: F.linear(x, w, b).addmm_(x @ down, up.T), "torch_fp8": fp8_layer(fp8_rowwise_act)}
     if "torch_fp8_compiled" not in unavailable_paths():
-        paths["torch_fp8_compiled"] = fp8_layer(_compiled_act_for(x))
+        paths["torch_fp8_compiled"] = fp8_layer(compile_now(compiled_fp8_rowwise_act(), x))
     paths |= {"w4a4": lambda: layer(x), "w4a4_torch_quant": torch_quant, "w4a4_pg": lambda: pg(x),
               "w4a4_pg_w4a8": lambda: pg_w4a8(x)}
     with torch.no_grad():
