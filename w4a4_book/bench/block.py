@@ -14,7 +14,7 @@ from torch import nn
 from ..block import block_inputs, flux_like_block
 from ..layers import quantize_model
 from ..records import data_dir, list_records, load_record, markdown_table, provenance, save_record
-from .layer import compile_now, compile_unavailable, fp8_rowwise_act, host_time
+from .layer import compile_now, compile_unavailable, fp8_rowwise_act, host_time, speedup
 from .timing import check_timing, gpu_key, rel_err, require_cuda, time_cuda
 from .workloads import FP8_MAX, kernel_unavailable
 
@@ -178,9 +178,6 @@ def fastest_block_paths(rows: list) -> dict:
     "`{mode: path}`: the path with the shortest median time in each mode of `rows` (the first in `BLOCK_PATHS` on a tie)."
     return {m: min((p for p in BLOCK_PATHS if p in ms), key=ms.get) for m, ms in _block_times(rows).items()}
 
-def _speedup(ms: dict, path: str, base: str) -> str:
-    "`base`'s time over `path`'s as `1.23×`; `—` for the base itself or where either has no row."
-    return f"{ms[base] / ms[path]:.2f}×" if path != base and path in ms and base in ms else "—"
 
 def block_table(rows: list) -> str:
     """Milliseconds per forward of each path (lines) in each mode (columns), each path's speed-up over `BLOCK_BASES`
@@ -189,7 +186,7 @@ def block_table(rows: list) -> str:
     out = []
     for p in (p for p in BLOCK_PATHS if any(p in ms for ms in times.values())):
         line = {"path": p, **{f"{m} ms": f"{ms[p]:.3f}" if p in ms else "—" for m, ms in times.items()}}
-        line |= {f"{m} vs {base}": _speedup(ms, p, base) for m, ms in times.items() for base in BLOCK_BASES}
+        line |= {f"{m} vs {base}": speedup(ms, p, base) for m, ms in times.items() for base in BLOCK_BASES}
         out.append(line)
     return markdown_table(out + [{"path": "fastest", **{f"{m} ms": fastest[m] for m in times}}])
 

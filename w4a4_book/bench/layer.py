@@ -23,7 +23,7 @@ from .workloads import FP8_MAX, bench_problems, kernel_unavailable
 # %% auto #0
 __all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'SPEEDUP_PATHS', 'SPEEDUP_BASES', 'ACTIVATION_FORMATS', 'ACTIVATION_GRID',
            'fp8_rowwise_act', 'compile_unavailable', 'unavailable_paths', 'compiled_fp8_rowwise_act', 'compile_now',
-           'layer_paths', 'host_time', 'run_layer_bench', 'fastest_paths', 'layer_table', 'activation_bytes',
+           'layer_paths', 'host_time', 'run_layer_bench', 'fastest_paths', 'speedup', 'layer_table', 'activation_bytes',
            'copy_bandwidth', 'run_activation_bench', 'activation_table', 'layer_shapes', 'add_arguments',
            'recorded_runs', 'run']
 
@@ -164,9 +164,9 @@ def fastest_paths(rows: list) -> dict:
     "`{(M, K, N): path}`: the path with the shortest median time on each layer of `rows` (the first listed on a tie)."
     return {layer: min(ms, key=ms.get) for layer, ms in _layer_times(rows).items()}
 
-def _speedup(ms: dict, path: str, base: str) -> str:
-    "`base`'s time over `path`'s, as `1.23×`, or `—` where either path has no row."
-    return f"{ms[base] / ms[path]:.2f}×" if path in ms and base in ms else "—"
+def speedup(ms: dict, path: str, base: str) -> str:
+    "`base`'s time over `path`'s in `ms` (`{path: time}`), as `1.23×`; `—` for the base itself or where either has no time."
+    return f"{ms[base] / ms[path]:.2f}×" if path != base and path in ms and base in ms else "—"
 
 def layer_table(rows: list) -> str:
     """Milliseconds per forward, the speed-ups of the W4A4 paths over the torch layers and of the fused activation
@@ -183,8 +183,8 @@ def layer_table(rows: list) -> str:
                 line[f"{p} host µs"] = f"{host[(p, M, K, N)] * 1e3:.1f}"
         for p in SPEEDUP_PATHS:
             if p in present:
-                line |= {f"{p} / {base}": _speedup(ms, p, base) for base in SPEEDUP_BASES}
-        line["w4a4 / w4a4_torch_quant"] = _speedup(ms, "w4a4", "w4a4_torch_quant")
+                line |= {f"{p} / {base}": speedup(ms, p, base) for base in SPEEDUP_BASES}
+        line["w4a4 / w4a4_torch_quant"] = speedup(ms, "w4a4", "w4a4_torch_quant")
         line["fastest"] = fastest[(M, K, N)]
         out.append(line)
     return markdown_table(out)
