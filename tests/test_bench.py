@@ -274,7 +274,6 @@ def test_pg_methods_reach_the_kernel_on_cpu(monkeypatch):
     spec = _pg_row_or_skip()
     compiled = []
     monkeypatch.setattr(gemm.operands, "check_devices", lambda *a, **k: None)
-    monkeypatch.setattr(gemm, "_stream", lambda *a, **k: None)
     monkeypatch.setattr(gemm, "compiled_kernel", lambda config, p, *a, **k: compiled.append((config, p)) or (lambda *a: None))
     for m in PG_KERNELS:
         w = make_workload(256, 512, 1024, 32, fmt=m.fmts[0], device="cpu")

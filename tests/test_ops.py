@@ -255,29 +255,30 @@ def test_cuda_graph_captures_a_converted_block_under_inference_mode():
 # The host path of an sm90 forward, on the CPU: compilation, launches and device queries stubbed
 
 
-class Launches(list):
-    "Each stubbed launch's arguments, in order; `tensors`: the tensors of each activation-kernel launch."
-    def __init__(self):
-        super().__init__()
-        self.tensors = []
+class Launch(tuple):
+    "One stubbed launch: its tensors, in the kernel's argument order; `names`: the arguments' names."
+    names: tuple = ()
 
 
 @pytest.fixture
 def stubbed_sm90(monkeypatch):
-    """Run the sm90 path's host code on the CPU: the device checks pass, nothing compiles, and each "launch" does what
-    the compiled function does in Python before its C call (each argument's C pointers). Returns the `Launches`."""
+    """Run the sm90 path's host code on the CPU: the device checks pass, nothing compiles, and each "launch" records
+    the torch tensors the compiled function would be called with. Returns the list of `Launch`es."""
     from w4a4_book import gemm, operands
-    launches = Launches()
-    def launch(args, tensors=None):
-        launches.append(args)
-        if tensors is not None: launches.tensors.append(tensors)
-        return [p for a in args if hasattr(a, "__c_pointers__") for p in a.__c_pointers__()]
+    launches = []
+    def compile_launchable(kernel, specs, dynamic_m, options=""):
+        names = tuple(s.name for s in specs)
+        def launch(*tensors):
+            assert len(tensors) == len(names), (names, len(tensors))
+            rec = Launch(tensors)
+            rec.names = names
+            launches.append(rec)
+        return launch
     monkeypatch.setattr(operands, "check_devices", lambda *a, **k: None)
     monkeypatch.setattr(ops, "why_not_sm90", lambda *a, **k: None)
-    monkeypatch.setattr(gemm, "_stream", lambda dev: None)
     monkeypatch.setattr(gemm, "sm_count", lambda index: 132)
-    monkeypatch.setattr(gemm, "compiled_kernel", lambda config, p, tensors, dev: lambda *args: launch(args))
-    monkeypatch.setattr(gemm, "compiled_quant", lambda key, kernel, specs, tensors, dev: lambda *args: launch(args, tensors))
+    monkeypatch.setattr(gemm, "_compiled", {})
+    monkeypatch.setattr(gemm, "compile_launchable", compile_launchable)
     return launches
 
 
@@ -287,61 +288,60 @@ def sm90_layer(fmt="int4_pg", M=16, K=512, N=256, rank=32):
 
 
 @pytest.mark.parametrize("fmt", ["int4_pg", "int4"])
-def test_weight_launch_args_are_made_once_and_again_after_a_write(stubbed_sm90, fmt):
-    "The GEMM's weight-side arguments are the same objects on a second forward, and new ones after an in-place write."
-    from w4a4_book.gemm import LaunchArg
+def test_the_gemm_is_launched_on_the_layers_buffers(stubbed_sm90, fmt):
+    """The GEMM's weight-side tensors are the layer's buffers (or tensors packed from them once): the same tensors on a
+    second forward, of the new values after an in-place write, and the new buffers after a copy (as `.to()` makes)."""
     layer, x = sm90_layer(fmt)
     layer(x)
     first = stubbed_sm90[-1]                                    # the GEMM is the forward's last launch
     layer(x)
     again = stubbed_sm90[-1]
-    assert layer.last_backend.startswith("sm90-") and all(isinstance(a, LaunchArg) for a in again[:-1])
-    names = [a.name for a in gemm_class(fmt).arguments(layer.problem(x.shape[0]))]
-    weight = [i for i, a in enumerate(gemm_class(fmt).arguments(layer.problem(x.shape[0]))) if x.shape[0] not in a.shape]
-    assert "wcscales" in names and names.index("wcscales") in weight
-    assert all(again[i] is first[i] for i in weight)            # the cache is hit
-    assert all(again[i] is not first[i] for i in range(len(names)) if i not in weight)   # activations: made per call
+    assert layer.last_backend.startswith("sm90-") and "out" in again.names
+    specs = gemm_class(fmt).arguments(layer.problem(x.shape[0]))
+    assert again.names == tuple(a.name for a in specs)
+    weight = [i for i, a in enumerate(specs) if x.shape[0] not in a.shape]   # no extent M: never an activation
+    assert "wcscales" in again.names and again.names.index("wcscales") in weight
+    assert all(again[i].data_ptr() == first[i].data_ptr() for i in weight)   # nothing is remade per call
+    i = again.names.index("wcscales")
+    assert again[i].data_ptr() == layer.wcscales.data_ptr()
     with torch.no_grad():
-        layer.wcscales.mul_(2)                                   # in place: the version counter moves
+        layer.wcscales.mul_(2)                                   # in place: the same buffer, new values
     layer(x)
-    i = names.index("wcscales")
-    assert stubbed_sm90[-1][i] is not first[i] and stubbed_sm90[-1][i].desc.ptr == layer.wcscales.data_ptr()
-    moved = copy.deepcopy(layer)                                 # new buffers (as `.to()` makes): new arguments
+    assert torch.equal(stubbed_sm90[-1][i], layer.wcscales)
+    moved = copy.deepcopy(layer)                                 # new buffers: new tensors
     moved(x)
-    assert stubbed_sm90[-1][i].desc.ptr == moved.wcscales.data_ptr() != layer.wcscales.data_ptr()
+    assert stubbed_sm90[-1][i].data_ptr() == moved.wcscales.data_ptr() != layer.wcscales.data_ptr()
 
 
 def quant_launches(launches, layer, x):
-    "The activation-kernel launches of one forward of `layer` on `x`: `(args, tensors)` per launch."
-    n, t = len(launches), len(launches.tensors)
+    "The activation-kernel launches of one forward of `layer` on `x` (every launch but the GEMM's)."
+    n = len(launches)
     layer(x)
-    # the first pass's six tensors and its stream; the second pass's (int4_pg) seven and its stream
-    args = [a for a in launches[n:] if len(a) in (len(gemm.QUANT_ARGS) + 1, len(gemm.ROW_CODES_ARGS) + 1)]
-    return list(zip(args, launches.tensors[t:]))
+    return [a for a in launches[n:] if "recip_smooth" in a.names]
 
 
 @pytest.mark.parametrize("fmt", ["int4_pg", "int4"])
-def test_activation_launch_args_follow_the_layers_buffers(stubbed_sm90, fmt):
-    """The activation kernel's weight-side arguments (1/smooth and lora_downᵀ) are made once per buffer: the same
-    objects on a second forward, new ones (of the new values) after an in-place write, a `.to()` and a copy."""
+def test_activation_launches_follow_the_layers_buffers(stubbed_sm90, fmt):
+    """The activation kernel's weight-side tensors (1/smooth and lora_downᵀ) are made once per buffer: the same
+    tensors on a second forward, new ones (of the new values) after an in-place write, a `.to()` and a copy."""
     from w4a4_book.formats import reciprocal
     layer, x = sm90_layer(fmt, M=8)
     first = quant_launches(stubbed_sm90, layer, x)
     assert len(first) == (2 if fmt == "int4_pg" else 1)
-    first_pass = lambda args: len(args) == len(gemm.QUANT_ARGS) + 1     # the one that reads lora_downᵀ
-    for (a, t), (b, _) in zip(first, quant_launches(stubbed_sm90, layer, x)):
-        assert a[1] is b[1] and a[0] is not b[0]                     # 1/smooth: cached; activations: made per call
-        assert a[2] is b[2] if first_pass(a) else a[2] is not b[2]   # lora_downᵀ cached; the second pass's row maxima not
+    assert first[0].names == gemm.QUANT_ARGS and (fmt != "int4_pg" or first[1].names == gemm.ROW_CODES_ARGS)
+    for a, b in zip(first, quant_launches(stubbed_sm90, layer, x)):
+        assert a[1] is b[1]                                              # 1/smooth: cached
+        assert a[2] is b[2] if a.names == gemm.QUANT_ARGS else a[2] is not b[2]   # lora_downᵀ cached; row maxima per call
     def follows(lyr):
-        for args, (_, recip, ldt, *_) in quant_launches(stubbed_sm90, lyr, x):
-            assert torch.equal(recip, reciprocal(lyr.smooth.float())) and args[1].desc.ptr == recip.data_ptr()
-            if first_pass(args):
-                assert torch.equal(ldt, lyr.lora_down.t()) and args[2].desc.ptr == ldt.data_ptr()
+        for args in quant_launches(stubbed_sm90, lyr, x):
+            assert torch.equal(args[1], reciprocal(lyr.smooth.float()))
+            if args.names == gemm.QUANT_ARGS:
+                assert torch.equal(args[2], lyr.lora_down.t())
     with torch.no_grad():
         layer.smooth.mul_(2)
         layer.lora_down.neg_()
     follows(layer)
-    assert quant_launches(stubbed_sm90, layer, x)[0][0][1] is not first[0][0][1]
+    assert quant_launches(stubbed_sm90, layer, x)[0][1] is not first[0][1]
     follows(layer._apply(torch.clone))          # `.to(device)`'s way: every buffer a new one, in place of the old
     follows(copy.deepcopy(layer))
 

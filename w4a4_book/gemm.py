@@ -5,7 +5,7 @@
 # %% ../nbs/05a_gemm.ipynb #04638c21
 from __future__ import annotations
 
-import ctypes
+import functools
 import os
 import re
 import time
@@ -26,10 +26,10 @@ from .operands import Problem, fail
 __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'SCALE_DTYPE',
            'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ROW_CODES_ARGS', 'ACTIVATION_FORMATS', 'QUANT_MODES',
            'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields', 'bind',
-           'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_on_fakes', 'example_problem',
-           'compile_kernel', 'to_cute', 'compiled_kernel', 'LaunchArg', 'dynamic_modes', 'derived', 'launch_args',
-           'gemm_launcher', 'gemm_w4a4', 'compile_arguments', 'compile_command', 'sm_count', 'k_splits',
-           'compiled_quant', 'constant', 'quantize_lora_down', 'compile_quant']
+           'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable', 'compile_on_fakes',
+           'example_problem', 'compile_kernel', 'compiled_kernel', 'derived', 'gemm_launcher', 'gemm_w4a4',
+           'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quant_specs', 'constant',
+           'quantize_lora_down', 'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -216,16 +216,23 @@ class CompileReport:
         return "\n".join(lines)
 
 # %% ../nbs/05a_gemm.ipynb #478e304e
-def compile_on_fakes(kernel, specs, arch: str = "sm_90a", dynamic_m: bool = False) -> tuple:
-    "Compile `kernel` on fake tensors made from `specs` (`parts.ArgSpec`s) for `arch`; returns `(ptx, seconds)`."
-    import tempfile
+def compile_launchable(kernel, specs, dynamic_m: bool, options: str = ""):
+    """`kernel` compiled on fake tensors of `specs` (`parts.ArgSpec`s) with CuTe DSL's TVM-FFI entry point: the result
+    is called with torch tensors in `specs`' order and launches on torch's current stream of their device (it takes
+    no stream argument). `dynamic_m`: each spec's M mode is a run-time value. `options`: more compiler options (an
+    explicit `--gpu-arch`, without which the GPU's own is used)."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
     from w4a4_book.kernels.sm90_parts import fake_tensor
+    return cute.compile(kernel, *[fake_tensor(s, dynamic_m=dynamic_m) for s in specs],
+                        make_fake_stream(use_tvm_ffi_env_stream=True), options=f"--enable-tvm-ffi {options}".strip())
+
+def compile_on_fakes(kernel, specs, arch: str = "sm_90a", dynamic_m: bool = False) -> tuple:
+    "Compile `kernel` for `arch` as `compile_launchable` does on the GPU, with no GPU; returns `(ptx, seconds)`."
+    import tempfile
     with tempfile.TemporaryDirectory() as d:
         t0 = time.time()
-        cute.compile(kernel, *[fake_tensor(s, dynamic_m=dynamic_m) for s in specs], make_fake_stream(),
-                     options=f"--gpu-arch {arch} --keep-ptx --dump-dir {d}")
+        compile_launchable(kernel, specs, dynamic_m, f"--gpu-arch {arch} --keep-ptx --dump-dir {d}")
         secs = time.time() - t0
         ptx = "".join(open(os.path.join(d, f), errors="replace").read() for f in os.listdir(d) if f.endswith(".ptx"))
     return ptx, secs
@@ -265,60 +272,16 @@ def compile_kernel(config=None, problem: Optional[Problem] = None, arch: Optiona
 # %% ../nbs/05a_gemm.ipynb #f1d3886d
 _compiled: dict = {}
 
-def _dim_order(spec) -> tuple:
-    "`spec`'s modes from outermost to innermost (torch's `dim_order` convention), from its `stride_order` (0: innermost)."
-    order = spec.stride_order or tuple(range(len(spec.shape)))
-    return tuple(sorted(range(len(order)), key=lambda d: -order[d]))
-
-def to_cute(tensors: list, specs=None) -> list:
-    """The launch tensors as CuTe tensors (views, no copies): what a kernel is compiled with. With `specs` (the
-    kernel's `ArgSpec`s, for a kernel that reads M at run time), each tensor's M mode is marked dynamic."""
-    from cutlass.cute.runtime import from_dlpack
-    out = [from_dlpack(t, assumed_align=16) for t in tensors]
-    for i, s in enumerate(specs or ()):
-        if s.m_mode is not None:
-            out[i] = out[i].mark_compact_shape_dynamic(mode=s.m_mode, stride_order=_dim_order(s))
-    return out
-
-def _stream(dev):
-    import cuda.bindings.driver as cuda
-    return cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-
-def compiled_kernel(config, p: Problem, tensors: list, dev):
-    "The compiled kernel of `config` for problem `p` on device `dev`, compiled on first use with `to_cute(tensors)`."
-    import cutlass.cute as cute
+def compiled_kernel(config, p: Problem, dev):
+    "The compiled kernel of `config` for problem `p` on device `dev`, compiled on first use (`compile_launchable`)."
     cls = spec_for(config).kernel_class()
     key = (config, p.signature(cls.static_m), dev.index)
     if key not in _compiled:
-        kernel, _ = build(config, p, torch.cuda.get_device_properties(dev).multi_processor_count)
-        _compiled[key] = cute.compile(kernel, *to_cute(tensors, None if cls.static_m else cls.arguments(p)), _stream(dev))
+        kernel, _ = build(config, p, sm_count(dev.index))
+        _compiled[key] = compile_launchable(kernel, kernel.arguments(p), dynamic_m=not cls.static_m)
     return _compiled[key]
 
 # %% ../nbs/05a_gemm.ipynb #424d16ec
-class LaunchArg:
-    """One tensor argument of a compiled kernel as its C entry point reads it: the data pointer, then the extents
-    (int32) and the strides (int64) the kernel reads at run time, in mode order. Built from the tensor's metadata
-    alone, with no DLPack capsule, so it holds no reference to the tensor."""
-    __slots__ = ("desc",)
-    _structs: dict = {}
-
-    def __init__(self, t: torch.Tensor, shapes: tuple = (), strides: tuple = ()):
-        kind = (len(shapes), len(strides))
-        if kind not in LaunchArg._structs:
-            LaunchArg._structs[kind] = type("Desc", (ctypes.Structure,), {"_fields_": [("ptr", ctypes.c_void_p)]
-                + [(f"s{i}", ctypes.c_int32) for i in range(kind[0])] + [(f"d{i}", ctypes.c_int64) for i in range(kind[1])]})
-        self.desc = LaunchArg._structs[kind](t.data_ptr(), *(t.shape[d] for d in shapes), *(t.stride(d) for d in strides))
-
-    def __c_pointers__(self) -> list:
-        return [ctypes.addressof(self.desc)]
-
-def dynamic_modes(spec, static_m: bool) -> tuple:
-    "`(shape modes, stride modes)` that `to_cute` leaves to run time for `spec`: M's mode, and every mode outside it."
-    if static_m or spec.m_mode is None:
-        return (), ()
-    order = spec.stride_order or tuple(range(len(spec.shape)))
-    return (spec.m_mode,), tuple(d for d in range(len(order)) if order[d] > order[spec.m_mode])
-
 _DERIVED: dict = {}   # id of a buffer (a view's base) -> (weak reference to it, {what: ((device, data_ptr, version), made)})
 
 def _derived_cache(buf: torch.Tensor) -> dict:
@@ -329,7 +292,7 @@ def _derived_cache(buf: torch.Tensor) -> dict:
     if hit is not None and hit[0]() is buf:
         return hit[1]
     cache, i = {}, id(buf)
-    _DERIVED[i] = (weakref.ref(buf, lambda _: _DERIVED.pop(i, None)), cache)
+    _DERIVED[i] = (weakref.ref(buf, lambda _, d=_DERIVED: d.pop(i, None)), cache)
     return cache
 
 def derived(t: torch.Tensor, what: str, make):
@@ -347,14 +310,6 @@ def derived(t: torch.Tensor, what: str, make):
         if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
             cache[what] = hit
     return hit[1]
-
-
-def launch_args(tensors: list, specs, static_m: bool, M: int) -> list:
-    """`LaunchArg`s of a launch's tensors for the kernel of `specs` (its `ArgSpec`s) on `M` rows. A weight-side
-    tensor's (one with no extent M: whatever M is, that is never an activation) is `derived` from it: made once per
-    buffer and kept until the buffer moves or is written in place; every other tensor's is made each time."""
-    return [LaunchArg(t, *dynamic_modes(s, static_m)) if s.m_mode is not None or M in s.shape
-            else derived(t, "launch arg", LaunchArg) for t, s in zip(tensors, specs)]
 
 # %% ../nbs/05a_gemm.ipynb #d3a3043b
 def gemm_launcher(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *, out_dtype=torch.bfloat16,
@@ -375,11 +330,7 @@ def gemm_launcher(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=Non
     elif out.shape != (p.M, p.N) or out.dtype != out_dtype or not out.is_contiguous() or out.device != dev:
         fail(ValueError, "out", f"must be a contiguous [{p.M}, {p.N}] {out_dtype} tensor on {dev}")
     tensors = cls.tensors(p, act, wgt, lora_act, lora_up, wcscales, bias, out)
-    fn = compiled_kernel(config, p, tensors, dev)
-    args = launch_args(tensors, cls.arguments(p), cls.static_m, p.M)
-    def launch(): fn(*args, _stream(dev))
-    launch.keep_alive = tensors          # the views the bound arguments point into
-    return launch, out
+    return functools.partial(compiled_kernel(config, p, dev), *tensors), out
 
 def gemm_w4a4(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *, out_dtype=torch.bfloat16,
               config=None, out=None):
@@ -453,31 +404,24 @@ def k_splits(m_tiles: int, k_blocks: int, num_sms: int, ctas_per_sm: int = ACT_C
     return next((d for d in range(want, k_blocks + 1) if k_blocks % d == 0), k_blocks) if want > 1 else 1
 
 # %% ../nbs/05a_gemm.ipynb #67ac19dc
-def compiled_quant(key, kernel, specs, tensors: list, dev):
-    "The activation kernel `kernel` compiled on first use of `key` with `to_cute(tensors, specs)`: M a run-time value."
-    import cutlass.cute as cute
-    if key not in _compiled:
-        _compiled[key] = cute.compile(kernel, *to_cute(tensors, specs), _stream(dev))
-    return _compiled[key]
-
 QUANT_ARGS = ("x", "recip_smooth", "lora_down_t", "codes", "aux", "lora")   # the activation kernel's tensors, in order
-_quant_specs: dict = {}
 
 ROW_CODES_ARGS = ("x", "recip_smooth", "rowmax", "codes", "base", "lora", "lora_act")   # the second pass's, in order
 
-def _launch_quant(key, make, tensors: list, dev, names=QUANT_ARGS):
-    """Launch the activation kernel `make()` on `tensors` (one per name of `names`, each contiguous), compiled once per
-    `key` (every shape but M: the kernels read M at run time), through `launch_args` as the GEMM is: the weight-side
-    arguments (`recip_smooth`, `lora_down_t`) are made once per buffer."""
+def quant_specs(kernel, names, tensors: list) -> list:
+    "The `ArgSpec`s of activation kernel `kernel` launched on `tensors` (one per name of `names`, each row-major), M a run-time value."
+    from w4a4_book.kernels.sm90_parts import ArgSpec, CUTE_DTYPES
     assert len(names) == len(tensors) and all(t.is_contiguous() for t in tensors), (names, len(tensors))
-    if key not in _quant_specs:
-        from w4a4_book.kernels.sm90_parts import ArgSpec
+    return [ArgSpec(n, CUTE_DTYPES[t.dtype], tuple(t.shape), tuple(range(t.dim() - 1, -1, -1)), m)
+            for n, t, m in zip(names, tensors, kernel.m_modes())]
+
+def _launch_quant(key, make, tensors: list, names=QUANT_ARGS):
+    """Launch the activation kernel `make()` on `tensors`, compiled once per `key` (every shape but M: the kernels read
+    M at run time) by `compile_launchable`, as the GEMM is."""
+    if key not in _compiled:
         kernel = make()
-        _quant_specs[key] = kernel, [ArgSpec(n, None, tuple(t.shape), tuple(range(t.dim() - 1, -1, -1)), m)
-                                     for n, t, m in zip(names, tensors, kernel.m_modes())]
-    kernel, specs = _quant_specs[key]
-    fn = compiled_quant(key, kernel, specs, tensors, dev)
-    fn(*launch_args(tensors, specs, False, tensors[0].shape[0]), _stream(dev))
+        _compiled[key] = compile_launchable(kernel, quant_specs(kernel, names, tensors), dynamic_m=True)
+    _compiled[key](*tensors)
 
 _CONSTANTS: dict = {}
 
@@ -513,7 +457,7 @@ def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=A
         data = torch.empty(M, K // 2, dtype=torch.uint8, device=dev)
         scales = torch.empty(K // G, M, dtype=x.dtype, device=dev)
         _launch_quant(("quant", *sig), lambda: QuantLoraDown(R, stages, smooth is not None, ks),
-                      [x, sm, ldt, data.view(torch.int32), scales, partial], dev)
+                      [x, sm, ldt, data.view(torch.int32), scales, partial])
         return QTensor(data, scales, "int4"), (partial.sum(0).to(x.dtype) if R else None)
     return _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, smooth is not None)
 
@@ -525,11 +469,11 @@ def _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, has_smooth):
     rowmax = torch.zeros(M, dtype=torch.int32, device=dev)                 # bits of max |x * (1/smooth)|, raised by red.max
     codes = torch.empty(M, K, dtype=torch.int8, device=dev)
     _launch_quant(("rowmax", *sig), lambda: QuantLoraDown(R, stages, has_smooth, ks, mode="pg_rowmax"),
-                  [x, sm, ldt, codes.view(torch.int32), rowmax, partial], dev)
+                  [x, sm, ldt, codes.view(torch.int32), rowmax, partial])
     base = torch.empty(M, dtype=torch.float32, device=dev)
     lora_act = torch.empty(M, R, dtype=x.dtype, device=dev) if R else constant(0.0, (1, 16), x.dtype, dev)
     _launch_quant((fmt, *sig), lambda: RowCodes(fmt, has_smooth, R, ks),
-                  [x, sm, rowmax.view(torch.float32), codes.view(torch.int32), base, partial, lora_act], dev, ROW_CODES_ARGS)
+                  [x, sm, rowmax.view(torch.float32), codes.view(torch.int32), base, partial, lora_act], ROW_CODES_ARGS)
     act = QTensor.trusted(codes, None, fmt, base=base)      # the kernel's codes are checked by its tests, not per call
     return act, (lora_act if R else None)
 
