@@ -389,3 +389,12 @@ def test_the_op_chooses_its_tile_for_the_batch():
         p = Problem(M, 3072, 3840, 32, scale_dtype=torch.uint8, fmt="int4_pg")
         return ops._kernel("sm90", torch.zeros(M, 3840), p, "").tile_m
     assert (tile(256), tile(4352)) == (64, 256)
+
+
+def test_a_second_import_registers_the_op_again():
+    "Importing `w4a4_book.ops` again (a doc renderer does) replaces the op's registration instead of raising."
+    import importlib
+    layer, x = W4A4Linear.from_linear(nn.Linear(64, 32), rank=16), torch.randn(4, 64)
+    want = layer(x)
+    importlib.reload(ops)
+    assert torch.equal(torch.ops.w4a4.linear(*layer.op_args(x)), want)

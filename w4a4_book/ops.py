@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import functools
+import sys
+import types
 from typing import Optional
 
 import torch
@@ -160,7 +162,22 @@ _SCHEMA = ("(Tensor x, Tensor qweight_data, Tensor qweight_scales, Tensor? qweig
            "Tensor smooth, Tensor? lora_down, Tensor? lora_up, Tensor wcscales, Tensor? bias, "
            "str fmt, str act_fmt, str backend, str config) -> Tensor")
 
-@torch.library.custom_op("w4a4::linear", mutates_args=(), schema=_SCHEMA)
+def _library() -> torch.library.Library:
+    """The `torch.library` fragment of namespace `w4a4`, made afresh: the one an earlier import of this module made is
+    destroyed first. NOTES: a process may import this module twice (a doc renderer does; a notebook runs this cell and
+    then imports the module), and defining `w4a4::linear` twice raises; the fragment is kept in a module of its own in
+    `sys.modules`, which outlives a re-import, as `torch.library.custom_op` keeps its own."""
+    holder = sys.modules.setdefault("w4a4_book._op_library", types.ModuleType("w4a4_book._op_library"))
+    if getattr(holder, "lib", None) is not None:
+        holder.lib._destroy()            # its registrations, even while something else still holds the object
+    holder.lib = torch.library.Library("w4a4", "FRAGMENT")
+    return holder.lib
+
+# NOTES: `torch.library.Library.define` and `impl`, not `torch.library.custom_op`: the op is the same, but a call skips
+# custom_op's autograd and dispatch wrappers, a cost paid on every eager call
+_LIB = _library()
+_LIB.define("linear" + _SCHEMA)
+
 def w4a4_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up,
                 wcscales, bias, fmt, act_fmt, backend, config):
     """The W4A4 linear layer on rows `x` `[M, K]` -> `[M, N]` in `x`'s dtype, from the layer's buffers (`lora_down`,
@@ -182,7 +199,9 @@ def w4a4_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_b
         y = gemm.gemm_w4a4(act, wgt, lora_act, lora_up, wcscales, bias, out_dtype=smooth.dtype, config=kernel)
     return y.to(x.dtype)
 
-@w4a4_linear.register_fake
+_LIB.impl("linear", w4a4_linear, "CompositeExplicitAutograd")
+
+@torch.library.register_fake("w4a4::linear", lib=_LIB)
 def _(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up, wcscales, bias,
       fmt, act_fmt, backend, config):
     "Metadata only: the same checks, and an empty `[M, N]` tensor in `x`'s dtype."
