@@ -7,8 +7,8 @@ __all__ = ['CUTE_DTYPES', 'HIGH_NIBBLES', 'DECODE_SCALE', 'kernel_bundle', 'Gemm
            'NamedBarrier', 'decode_word_ref', 'decode_row_ref', 'kernel_k_order', 'check_decoded_layout',
            'packed_words', 'decoded_words', 'decode_tile', 'tma_split', 'GemmLoads', 'int4_loads', 'promote',
            'apply_affine', 'store_tile', 'storage_from_budget', 'check_term', 'WarpRoles', 'raster', 'PersistentRaster',
-           'fma_f32', 'pinned_i32', 'int4_arguments', 'placeholder', 'int4_tensors', 'Mmas', 'Int4Layouts',
-           'Int4GemmBase']
+           'fma_f32', 'pinned_i32', 'int4_arguments', 'padded_rows', 'placeholder', 'int4_tensors', 'Mmas',
+           'Int4Layouts', 'Int4GemmBase']
 
 # %% ../../nbs/03a_sm90_parts.ipynb #b46235d1
 import enum
@@ -67,10 +67,14 @@ class ArgSpec(NamedTuple):
     shape: tuple
     stride_order: Optional[tuple] = None
     m_mode: Optional[int] = None     # the mode of extent M: dynamic where the kernel reads M at run time
+    strides: Optional[tuple] = None  # explicit element strides, for a static layout that is not compact (padded rows)
 
 def fake_tensor(spec: ArgSpec, align: int = 16, dynamic_m: bool = False):
     "A fake cute tensor with `spec`'s type, shape and layout, for compiling without a GPU; `dynamic_m`: M a run-time value."
-    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+    if spec.strides is not None:
+        assert not (dynamic_m and spec.m_mode is not None), f"{spec.name}: explicit strides are static"
+        return make_fake_tensor(spec.dtype, spec.shape, spec.strides, assumed_align=align)
     shape = spec.shape
     if dynamic_m and spec.m_mode is not None:
         shape = tuple(cute.sym_int() if i == spec.m_mode else d for i, d in enumerate(shape))
@@ -341,16 +345,20 @@ def int4_arguments(p: operands.Problem) -> tuple:
     dt, G, R = CUTE_DTYPES, formats.GROUP_SIZE[p.fmt], max(p.R, 16)
     rowmaj, colmaj = (1, 0), (0, 1)
     return (ArgSpec("act", cutlass.Uint8, (p.M, p.K // 2), rowmaj), ArgSpec("wgt", cutlass.Uint8, (p.N, p.K // 2), rowmaj),
-            ArgSpec("act_scales", dt[p.scale_dtype], (p.M, p.K // G), colmaj),
-            ArgSpec("wgt_scales", dt[p.scale_dtype], (p.N, p.K // G), colmaj),
+            ArgSpec("act_scales", dt[p.scale_dtype], (p.M, p.K // G), colmaj, strides=(1, padded_rows(p.M))),
+            ArgSpec("wgt_scales", dt[p.scale_dtype], (p.N, p.K // G), colmaj, strides=(1, padded_rows(p.N))),
             ArgSpec("lora_act", dt[p.lora_dtype], (p.M, R), rowmaj), ArgSpec("lora_up", dt[p.lora_dtype], (p.N, R), rowmaj),
             ArgSpec("wcscales", dt[p.wcscales_dtype], (p.N,)), ArgSpec("bias", dt[p.bias_dtype], (p.N,)),
             ArgSpec("out", dt[p.out_dtype], (p.M, p.N), rowmaj))
 
+def padded_rows(rows: int) -> int:
+    "`rows` rounded up to a multiple of 8 elements (16 bytes of 16-bit scales): the row stride TMA requires."
+    return (rows + 7) // 8 * 8
+
 def _padded_scales(s, rows):
-    "Scales `[K/G, rows]` with a row stride that is a multiple of 8 elements (16 bytes), as TMA requires."
+    "Scales `[K/G, rows]` with a row stride of `padded_rows(rows)` elements (`int4_arguments` declares it)."
     if rows % 8 == 0: return s
-    buf = torch.zeros(s.shape[0], (rows + 7) // 8 * 8, dtype=s.dtype, device=s.device)
+    buf = torch.zeros(s.shape[0], padded_rows(rows), dtype=s.dtype, device=s.device)
     buf[:, :rows] = s
     return buf[:, :rows]
 

@@ -108,7 +108,10 @@ _prepacked: dict = {}      # id of the weights' code tensor → (a weak referenc
 def _prepacked_weights(w):
     """`prepack_weights(w)`, packed once per weight tensor and again only when it changes. The cache holds the code
     tensor weakly, under its id, and forgets the entry when the tensor dies (a new tensor at a freed address, or with
-    a reused id, is a new entry); it checks the tensor's and its u's version counters."""
+    a reused id, is a new entry); it checks the tensor's and its u's version counters. An inference tensor has no
+    counter, so its weights are packed afresh on every call (convert a layer outside `torch.inference_mode`)."""
+    if w.data.is_inference() or w.scales.is_inference():
+        return prepack_weights(w)
     key, version = id(w.data), (w.data._version, id(w.scales), w.scales._version)
     hit = _prepacked.get(key)
     if hit is None or hit[0]() is not w.data or hit[1] != version:
