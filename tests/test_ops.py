@@ -251,6 +251,28 @@ def test_cuda_graph_captures_a_converted_block_under_inference_mode():
         assert torch.equal(out, eager2)
 
 
+@pytest.mark.gpu
+@SM90
+@pytest.mark.parametrize("act_fmt", [None, "int8"])
+def test_the_bound_path_computes_what_the_op_does(act_fmt):
+    """The eager forward's bound path (`ops.bound_linear`) gives the op's output bit for bit, at M = 1, 17, 256 and
+    4352 on one layer (the kernels read M at run time), on a float32 input, at rank 0, and after an in-place write."""
+    for rank in (32, 0):
+        layer, _ = converted("int4_pg", act_fmt, K=1024, N=512, rank=rank)
+        layer = layer.cuda()
+        with torch.no_grad():
+            for M in (1, 17, 256, 4352, 17):
+                x = torch.randn(M, 1024, device="cuda", dtype=torch.bfloat16)
+                op = torch.ops.w4a4.linear(*layer.op_args(x, "sm90"))
+                assert torch.equal(layer(x), op) and torch.equal(layer(x), op), (rank, M)   # built, then bound
+                assert gemm.kept(layer)["bound linear"][(M, x.dtype, x.device)].gemm is not None
+            x = torch.randn(300, 1024, device="cuda")
+            assert torch.equal(layer(x), torch.ops.w4a4.linear(*layer.op_args(x, "sm90"))) and layer(x).dtype == torch.float32
+            layer.smooth.mul_(1.5)
+            layer.wcscales.mul_(0.5)
+            assert torch.equal(layer(x), torch.ops.w4a4.linear(*layer.op_args(x, "sm90")))
+
+
 # ---------------------------------------------------------------------------------------------
 # The host path of an sm90 forward, on the CPU: compilation, launches and device queries stubbed
 
@@ -398,3 +420,53 @@ def test_a_second_import_registers_the_op_again():
     want = layer(x)
     importlib.reload(ops)
     assert torch.equal(torch.ops.w4a4.linear(*layer.op_args(x)), want)
+
+
+def bound_plans(layer):
+    return gemm.kept(layer).get("bound linear", {})
+
+
+def test_the_bound_path_is_kept_per_m_and_rebuilt_when_a_buffer_changes(stubbed_sm90):
+    """An eager int4_pg forward binds once per M and launches the two activation passes and the GEMM; an in-place write,
+    a new buffer or a new M builds another, and the old buffers' plans are dropped."""
+    from w4a4_book.formats import reciprocal
+    layer, x = sm90_layer("int4_pg", M=16)
+    with torch.no_grad():
+        y = layer(x)
+        assert y.shape == (16, 256) and y.dtype == torch.bfloat16 and layer.last_backend.startswith("sm90-")
+        (key, plan), = bound_plans(layer).items()
+        n = len(stubbed_sm90)
+        layer(x)
+        assert [l.names[0] for l in stubbed_sm90[n:]] == ["x", "x", "act"]        # three launches, nothing else
+        assert bound_plans(layer)[key] is plan and stubbed_sm90[-3][0].data_ptr() == x.data_ptr()   # x itself, no copy
+        layer(torch.randn(5, 512, dtype=torch.bfloat16))
+        assert len(bound_plans(layer)) == 2 and stubbed_sm90[-1][0].shape == (5, 512)
+        layer.smooth.mul_(2)                                                      # in place: every plan goes
+        layer(x)
+        assert list(bound_plans(layer)) == [key] and bound_plans(layer)[key] is not plan
+        assert torch.equal(stubbed_sm90[-3][1], reciprocal(layer.smooth.float()))
+        y32 = layer(x.float())                                                   # a float32 input: cast in, cast out
+        assert y32.dtype == torch.float32 and stubbed_sm90[-3][0].dtype == torch.bfloat16
+        moved = copy.deepcopy(layer)
+        moved(x)
+        assert bound_plans(moved) and all(p.stamp != bound_plans(moved)[key].stamp for p in bound_plans(layer).values())
+
+
+def test_a_kernel_compiled_per_m_runs_the_op(stubbed_sm90):
+    "The int4 kernels are compiled per M: an int4 layer keeps the checked op path (no plan is kept) and launches."
+    layer, x = sm90_layer("int4")
+    with torch.no_grad():
+        layer(x)
+        n = len(stubbed_sm90)
+        layer(x)
+    assert not bound_plans(layer)
+    assert [l.names[0] for l in stubbed_sm90[n:]] == ["x", "act"]
+
+
+def test_a_layer_made_under_inference_mode_runs(stubbed_sm90):
+    "Inference tensors have no version counter: the forward neither caches nor binds on them, and runs."
+    with torch.inference_mode():
+        layer, x = sm90_layer("int4_pg")
+        layer(x)
+        layer(x)
+    assert not bound_plans(layer) and stubbed_sm90[-1].names[0] == "act"

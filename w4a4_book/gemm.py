@@ -27,9 +27,9 @@ __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FI
            'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ROW_CODES_ARGS', 'ACTIVATION_FORMATS', 'QUANT_MODES',
            'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields', 'bind',
            'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable', 'compile_on_fakes',
-           'example_problem', 'compile_kernel', 'compiled_kernel', 'derived', 'gemm_launcher', 'gemm_w4a4',
-           'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quant_specs', 'constant',
-           'quantize_lora_down', 'compile_quant']
+           'example_problem', 'compile_kernel', 'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm',
+           'gemm_bound', 'gemm_w4a4', 'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quant_specs',
+           'constant', 'quantize_lora_down', 'bind_quantize_rows', 'quantize_rows_int8', 'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -282,17 +282,18 @@ def compiled_kernel(config, p: Problem, dev):
     return _compiled[key]
 
 # %% ../nbs/05a_gemm.ipynb #424d16ec
-_DERIVED: dict = {}   # id of a buffer (a view's base) -> (weak reference to it, {what: ((device, data_ptr, version), made)})
+_DERIVED: dict = {}   # id of an object -> (a weak reference to it, the dict `kept` for it)
 
-def _derived_cache(buf: torch.Tensor) -> dict:
-    """The `{what: (key, made)}` kept for tensor `buf`, dropped when `buf` dies. NOTES: keyed by `id` with a weak
-    reference beside it rather than a `WeakIdKeyDictionary`: a lookup is one dict probe, not a new weak reference and
-    an `__eq__` (that was a microsecond per argument, a dozen per forward); the reference tells a reused id apart."""
-    hit = _DERIVED.get(id(buf))
-    if hit is not None and hit[0]() is buf:
+def kept(obj) -> dict:
+    """A dict kept for `obj` (a tensor, a module), dropped when `obj` dies: `derived` keeps `{what: (key, made)}` in a
+    buffer's. NOTES: keyed by `id` with a weak reference beside it rather than a `WeakIdKeyDictionary`: a lookup is one
+    dict probe, not a new weak reference and an `__eq__` (that was a microsecond per argument, a dozen per forward);
+    the reference tells a reused id apart."""
+    hit = _DERIVED.get(id(obj))
+    if hit is not None and hit[0]() is obj:
         return hit[1]
-    cache, i = {}, id(buf)
-    _DERIVED[i] = (weakref.ref(buf, lambda _, d=_DERIVED: d.pop(i, None)), cache)
+    cache, i = {}, id(obj)
+    _DERIVED[i] = (weakref.ref(obj, lambda _, d=_DERIVED: d.pop(i, None)), cache)
     return cache
 
 def derived(t: torch.Tensor, what: str, make):
@@ -302,7 +303,7 @@ def derived(t: torch.Tensor, what: str, make):
     if t.is_inference():
         return make(t)
     buf = t if t._base is None else t._base
-    cache = _derived_cache(buf)
+    cache = kept(buf)
     key, hit = (t.device, t.data_ptr(), t._version), cache.get(what)
     if hit is None or hit[0] != key:
         with torch.inference_mode(False):
@@ -312,10 +313,9 @@ def derived(t: torch.Tensor, what: str, make):
     return hit[1]
 
 # %% ../nbs/05a_gemm.ipynb #d3a3043b
-def gemm_launcher(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *, out_dtype=torch.bfloat16,
-                  config=None, out=None):
-    """Validate, compile (cached) and bind the arguments once; returns `(launch, out)` where `launch()` only
-    enqueues the kernel of `config` (default: the format's default kernel) on the current stream."""
+def _launch(act, wgt, lora_act, lora_up, wcscales, bias, out_dtype, config, out) -> tuple:
+    """Validate one GEMM call and compile its kernel (cached); returns `(compiled kernel, launch tensors, kernel class,
+    problem, out)`, `out` made when None."""
     chosen = config is None
     if chosen:
         config = default_config(wgt.fmt if isinstance(wgt, QTensor) else "int4")
@@ -330,7 +330,39 @@ def gemm_launcher(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=Non
     elif out.shape != (p.M, p.N) or out.dtype != out_dtype or not out.is_contiguous() or out.device != dev:
         fail(ValueError, "out", f"must be a contiguous [{p.M}, {p.N}] {out_dtype} tensor on {dev}")
     tensors = cls.tensors(p, act, wgt, lora_act, lora_up, wcscales, bias, out)
-    return functools.partial(compiled_kernel(config, p, dev), *tensors), out
+    return compiled_kernel(config, p, dev), tensors, cls, p, out
+
+def gemm_launcher(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *, out_dtype=torch.bfloat16,
+                  config=None, out=None):
+    """Validate, compile (cached) and bind the arguments once; returns `(launch, out)` where `launch()` only
+    enqueues the kernel of `config` (default: the format's default kernel) on the current stream."""
+    fn, tensors, _, _, out = _launch(act, wgt, lora_act, lora_up, wcscales, bias, out_dtype, config, out)
+    return functools.partial(fn, *tensors), out
+
+class BoundGemm:
+    """A compiled GEMM whose M is a run-time value, with its weight-side tensors bound: called with the tensors of its
+    M-long arguments (those whose `ArgSpec` has an M mode) in launch order, it launches on the current stream. An
+    M-long argument that was absent when it was bound (`lora_act` at rank 0: a stand-in) is passed as None."""
+    __slots__ = ("fn", "args", "slots")
+
+    def __init__(self, fn, tensors: list, specs, absent: tuple = ()):
+        self.fn, self.slots = fn, tuple(i for i, s in enumerate(specs) if s.m_mode is not None and s.name not in absent)
+        self.args = [None if i in self.slots else t for i, t in enumerate(tensors)]   # no activation is held
+
+    def __call__(self, *per_call) -> None:
+        args = self.args.copy()
+        for i, t in zip(self.slots, per_call):
+            args[i] = t
+        self.fn(*args)
+
+def gemm_bound(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *, out_dtype=torch.bfloat16,
+               config=None) -> tuple:
+    """`gemm_launcher`'s checks and compile for one call, kept for later calls on the same weights and M: returns
+    `(bound, out)`, `bound` a `BoundGemm` called with `(act codes, act base, lora_act, out)` (`lora_act` left out at
+    rank 0), and this call's `out`, not yet computed. Only a kernel that reads M at run time binds."""
+    fn, tensors, cls, p, out = _launch(act, wgt, lora_act, lora_up, wcscales, bias, out_dtype, config, None)
+    if cls.static_m: fail(ValueError, "config", f"{spec_for(config or default_config(p.fmt)).name} is compiled per M; only a kernel that reads M at run time binds")
+    return BoundGemm(fn, tensors, cls.arguments(p), () if lora_act is not None else ("lora_act",)), out
 
 def gemm_w4a4(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *, out_dtype=torch.bfloat16,
               config=None, out=None):
@@ -443,29 +475,48 @@ def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=A
     `x` `[M, K]` and the others in bf16 or fp16, `lora_down_t` `[R, K]`. int4 (scales in `x`'s dtype) is one kernel;
     int4_pg and int8 (activations as int8, a float32 `base` per row) are two passes over `x`: the row maxima (with the
     LoRA partials), then the codes and bases (with the partials' sum)."""
+    from w4a4_book.kernels.sm90_quant import QuantLoraDown, G
+    launch = dict(_quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm), has_smooth=smooth is not None)
+    if fmt == "int4":
+        M, K, R, ks = x.shape[0], x.shape[1], launch["sig"][1], launch["ks"]
+        data = torch.empty(M, K // 2, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(K // G, M, dtype=x.dtype, device=x.device)
+        partial = torch.empty(ks, M, max(R, 16), dtype=torch.float32, device=x.device)
+        _launch_quant(("quant", *launch["sig"]), lambda: QuantLoraDown(R, stages, smooth is not None, ks),
+                      [x, launch["sm"], launch["ldt"], data.view(torch.int32), scales, partial])
+        return QTensor(data, scales, "int4"), (partial.sum(0).to(x.dtype) if R else None)
+    codes, base, lora_act = quantize_rows_int8(x, fmt=fmt, stages=stages, **launch)
+    return QTensor.trusted(codes, None, fmt, base=base), lora_act      # the codes are checked by the kernel's tests
+
+def _quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm) -> dict:
+    """Check the activation kernel's inputs and make what its launches take besides `x`: the K shares `ks`, `1/smooth`
+    (`sm`), `lora_down_t` (`ldt`, stand-ins where absent) and the compile signature `sig`."""
     from w4a4_book.kernels.sm90_quant import QuantLoraDown, G, MAX_RANK
     if fmt not in ACTIVATION_FORMATS: fail(ValueError, "fmt", f"{fmt!r}: the activation kernel writes one of {ACTIVATION_FORMATS}")
     M, K, R = operands.check_quant_inputs(x, smooth, lora_down_t, group_size=G, max_rank=MAX_RANK)
     dev = x.device
     ks = k_splits(-(-M // QuantLoraDown.tile_m), K // G, sm_count(dev.index), ctas_per_sm)
-    partial = torch.empty(ks, M, max(R, 16), dtype=torch.float32, device=dev)
     # the kernel multiplies by the correctly rounded reciprocal, as `quantize`'s rules do (chapter 1)
     sm = derived(smooth, "recip", lambda s: reciprocal(s.float())) if smooth is not None else constant(1.0, (K,), torch.float32, dev)
     ldt = lora_down_t if lora_down_t is not None else constant(0.0, (16, K), x.dtype, dev)
     sig = (K, R, x.dtype, smooth is not None, stages, ks, dev.index)   # the kernels are specialised on every shape but M
-    if fmt == "int4":
-        data = torch.empty(M, K // 2, dtype=torch.uint8, device=dev)
-        scales = torch.empty(K // G, M, dtype=x.dtype, device=dev)
-        _launch_quant(("quant", *sig), lambda: QuantLoraDown(R, stages, smooth is not None, ks),
-                      [x, sm, ldt, data.view(torch.int32), scales, partial])
-        return QTensor(data, scales, "int4"), (partial.sum(0).to(x.dtype) if R else None)
-    return _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, smooth is not None)
+    return dict(sm=sm, ldt=ldt, ks=ks, sig=sig)
 
-def _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, has_smooth):
-    """The two passes of the int8-lane formats: the row maxima and the LoRA partials (`QuantLoraDown`, mode
-    `pg_rowmax`), then the codes, each row's `base` and the partials' sum (`RowCodes`). Returns `(act, lora_act)`."""
+def bind_quantize_rows(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM):
+    """`quantize_lora_down`'s checks and weight-side tensors for an int8-lane `fmt` (int4_pg, int8), made once for
+    `x`'s shape and dtype: a function of `x` alone (any tensor of that shape, dtype and device, contiguous) that runs
+    both passes and returns `(codes, base, lora_act)`, `lora_act` None without `lora_down_t`."""
+    if fmt == "int4": fail(ValueError, "fmt", "'int4': bind_quantize_rows binds the int8-lane formats; call quantize_lora_down")
+    launch = _quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm)
+    return functools.partial(quantize_rows_int8, fmt=fmt, stages=stages, has_smooth=smooth is not None, **launch)
+
+def quantize_rows_int8(x, *, sm, ldt, ks, sig, fmt, stages, has_smooth) -> tuple:
+    """The two passes of the int8-lane formats on checked inputs (`_quant_setup`'s): the row maxima and the LoRA
+    partials (`QuantLoraDown`, mode `pg_rowmax`), then the codes, each row's `base` and the partials' sum
+    (`RowCodes`). Returns `(codes, base, lora_act)`, `lora_act` None at rank 0."""
     from w4a4_book.kernels.sm90_quant import QuantLoraDown, RowCodes
-    M, K, R, ks, dev = x.shape[0], x.shape[1], sig[1], sig[5], x.device
+    M, K, R, dev = x.shape[0], x.shape[1], sig[1], x.device
+    partial = torch.empty(ks, M, max(R, 16), dtype=torch.float32, device=dev)
     rowmax = torch.zeros(M, dtype=torch.int32, device=dev)                 # bits of max |x * (1/smooth)|, raised by red.max
     codes = torch.empty(M, K, dtype=torch.int8, device=dev)
     _launch_quant(("rowmax", *sig), lambda: QuantLoraDown(R, stages, has_smooth, ks, mode="pg_rowmax"),
@@ -474,8 +525,7 @@ def _quantize_rows_int8(x, sm, ldt, partial, fmt, sig, stages, has_smooth):
     lora_act = torch.empty(M, R, dtype=x.dtype, device=dev) if R else constant(0.0, (1, 16), x.dtype, dev)
     _launch_quant((fmt, *sig), lambda: RowCodes(fmt, has_smooth, R, ks),
                   [x, sm, rowmax.view(torch.float32), codes.view(torch.int32), base, partial, lora_act], ROW_CODES_ARGS)
-    act = QTensor.trusted(codes, None, fmt, base=base)      # the kernel's codes are checked by its tests, not per call
-    return act, (lora_act if R else None)
+    return codes, base, (lora_act if R else None)
 
 QUANT_MODES = ("int4", "pg_rowmax", "int4_pg", "int8")   # `compile_quant`: QuantLoraDown's two modes, RowCodes's two formats
 

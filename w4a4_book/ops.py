@@ -20,8 +20,9 @@ from .operands import OPERAND_PAIRS, Problem, fail
 from .reference import w4a4_gemm_ref
 
 # %% auto #0
-__all__ = ['BACKENDS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'config_key', 'config_from_key', 'why_not_sm90', 'plan',
-           'weights', 'lora_down_t', 'quantize_act_ref', 'quantize_act_sm90', 'w4a4_linear']
+__all__ = ['BACKENDS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'BOUND_ACT_FORMATS', 'config_key', 'config_from_key',
+           'why_not_sm90', 'plan', 'weights', 'lora_down_t', 'quantize_act_ref', 'quantize_act_sm90', 'w4a4_linear',
+           'BoundLinear', 'bound_linear']
 
 # %% ../nbs/08c_ops.ipynb #cd7d0487
 BACKENDS = ("auto", "reference", "sm90")
@@ -149,6 +150,12 @@ def _check_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight
         if t is not None and t.device != x.device:
             fail(ValueError, name, f"is on {t.device}, x is on {x.device}")
 
+def _problem(x, qweight_data, qweight_scales, smooth, lora_up, fmt, act_fmt) -> Problem:
+    """The GEMM problem of `w4a4::linear` on `x`. NOTES: the real M (at least 1: an empty batch is a problem of one
+    row), because the default kernel's tile is chosen for the problem (`gemm.tile_choice`): at small M a narrower one wins."""
+    return Problem(max(x.shape[0], 1), qweight_data.shape[0], x.shape[1], 0 if lora_up is None else lora_up.shape[1],
+                   scale_dtype=qweight_scales.dtype, lora_dtype=smooth.dtype, out_dtype=smooth.dtype, fmt=fmt, act_fmt=act_fmt)
+
 def _kernel(backend: str, x, problem: Problem, config: str):
     "The kernel config `w4a4::linear` runs for `backend`, or None for the reference rules."
     if backend == "reference":
@@ -185,10 +192,7 @@ def w4a4_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_b
     '' for the format's default) or 'auto' (the kernels where they can run). Registered as `torch.ops.w4a4.linear`."""
     _check_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up,
                   wcscales, bias, fmt, act_fmt, backend, config)
-    # the real M (at least 1: an empty batch is a problem of one row): the default kernel's tile is chosen for the
-    # problem (`gemm.tile_choice`), and at small M a narrower one wins
-    problem = Problem(max(x.shape[0], 1), qweight_data.shape[0], x.shape[1], 0 if lora_up is None else lora_up.shape[1],
-                      scale_dtype=qweight_scales.dtype, lora_dtype=smooth.dtype, out_dtype=smooth.dtype, fmt=fmt, act_fmt=act_fmt)
+    problem = _problem(x, qweight_data, qweight_scales, smooth, lora_up, fmt, act_fmt)
     kernel = _kernel(backend, x, problem, config)
     wgt = weights(qweight_data, qweight_scales, fmt, qweight_global_scale, qweight_base)
     if kernel is None:
@@ -208,3 +212,71 @@ def _(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smoot
     _check_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up,
                   wcscales, bias, fmt, act_fmt, backend, config)
     return x.new_empty(x.shape[0], qweight_data.shape[0])
+
+# %% ../nbs/08c_ops.ipynb #e89507d3
+BOUND_ACT_FORMATS = ("int4_pg", "int8")     # the activation formats whose whole sm90 forward binds (`BoundLinear`)
+
+class BoundLinear:
+    """`w4a4::linear` on the sm90 kernels for one M, input dtype and device, with every check, compile and weight-side
+    tensor made once (`gemm.bind_quantize_rows`, `gemm.gemm_bound`): a call casts `x` if it must, allocates the
+    activation side and the output, and launches the two activation passes and the GEMM. `stamp`: the `(id, version)`
+    of each tensor argument it was built from; `first`: the build call's output (it is built by computing one);
+    `gemm` None where nothing binds (the reference backend, a kernel compiled per M)."""
+    __slots__ = ("stamp", "dtype", "out_dtype", "shape", "quantize", "gemm", "rank", "first")
+
+    def __init__(self, args: list, stamp: tuple):
+        x, qd, qs, qg, qb, smooth, lora_down, lora_up, wcs, bias, fmt, act_fmt, backend, config = args
+        _check_linear(*args)
+        self.stamp, self.dtype, self.out_dtype, self.rank = stamp, smooth.dtype, x.dtype, lora_up is not None
+        kernel = _kernel(backend, x, _problem(x, qd, qs, smooth, lora_up, fmt, act_fmt), config)
+        self.gemm = self.first = None
+        if kernel is None or gemm.spec_for(kernel).kernel_class().static_m:
+            return                     # the reference rules, or a kernel compiled per M: nothing binds
+        xin = x.to(smooth.dtype).contiguous()
+        self.quantize = gemm.bind_quantize_rows(xin, smooth, lora_down_t(lora_down) if self.rank else None, fmt=act_fmt)
+        codes, base, lora_act = self.quantize(xin)
+        act = QTensor.trusted(codes, None, act_fmt, base=base)
+        self.gemm, out = gemm.gemm_bound(act, weights(qd, qs, fmt, qg, qb), lora_act, lora_up, wcs, bias,
+                                         out_dtype=smooth.dtype, config=kernel)
+        self.shape = (out.shape[0], out.shape[1])
+        self.first = self._launch(codes, base, lora_act, out)
+
+    def _launch(self, codes, base, lora_act, out) -> torch.Tensor:
+        if self.rank: self.gemm(codes, base, lora_act, out)
+        else: self.gemm(codes, base, out)
+        return out if self.out_dtype == self.dtype else out.to(self.out_dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        "The op on `x`, of the M, dtype and device this was built for (not checked here: `bound_linear` keys on them)."
+        if x.dtype != self.dtype or not x.is_contiguous():
+            x = x.to(self.dtype).contiguous()
+        codes, base, lora_act = self.quantize(x)
+        return self._launch(codes, base, lora_act, torch.empty(self.shape, dtype=self.dtype, device=x.device))
+
+def _stamp(args: list) -> Optional[tuple]:
+    "The `(id, version)` of each tensor argument of `w4a4::linear` but `x`, and its strings; None when one is an inference tensor."
+    try:
+        return tuple(None if t is None else (id(t), t._version) for t in args[1:10]) + tuple(args[10:])
+    except RuntimeError:          # an inference tensor has no version counter: nothing can tell a write to it
+        return None
+
+def bound_linear(owner, args: list) -> Optional[torch.Tensor]:
+    """`w4a4::linear` on `args` (`backend` 'sm90') through the `BoundLinear` that `owner` (the layer) keeps for `x`'s M,
+    dtype and device, built on first use and again after any argument changes (a new tensor, an in-place write, a new
+    format or config). None where no bound path applies (then the caller runs the op): a layer of inference tensors,
+    an empty batch, an activation format outside `BOUND_ACT_FORMATS`, a kernel compiled per M."""
+    x, stamp = args[0], _stamp(args)
+    if stamp is None or x.shape[0] == 0 or args[11] not in BOUND_ACT_FORMATS:
+        return None
+    plans, key = gemm.kept(owner).setdefault("bound linear", {}), (x.shape[0], x.dtype, x.device)
+    plan = plans.get(key)
+    if plan is not None and plan.stamp == stamp:
+        return plan(x) if plan.gemm is not None else None
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None                # NOTES: a tensor made under a capture is written only by a replay: none is kept
+    if any(p.stamp != stamp for p in plans.values()):
+        plans.clear()              # new buffers: the plans of the old ones, and the tensors they hold, go
+    plans[key] = plan = BoundLinear(args, stamp)
+    y, plan.first = plan.first, None
+    return y
+
