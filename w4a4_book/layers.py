@@ -190,10 +190,11 @@ def why_not_sm90(self: W4A4Linear, x: torch.Tensor) -> Optional[str]:
 @patch
 def op_args(self: W4A4Linear, x: torch.Tensor, backend: Optional[str] = None) -> list:
     """The arguments of `w4a4::linear` (`ops.w4a4_linear`) for rows `x` `[M, K]`: `x`, the layer's buffers (the LoRA
-    factors None at rank 0), its formats, `backend` (default: the layer's) and its kernel config's key."""
-    lora = self.rank > 0
-    return [x, self.qweight_data, self.qweight_scales, self.qweight_global_scale, self.qweight_base, self.smooth,
-            self.lora_down if lora else None, self.lora_up if lora else None, self.wcscales, self.bias,
+    factors None at rank 0), its formats, `backend` (default: the layer's) and its kernel config's key. NOTES: read
+    from `_buffers` directly: `nn.Module.__getattr__` costs most of a microsecond per buffer, on every eager call."""
+    b, lora = self._buffers, self.rank > 0
+    return [x, b["qweight_data"], b["qweight_scales"], b["qweight_global_scale"], b["qweight_base"], b["smooth"],
+            b["lora_down"] if lora else None, b["lora_up"] if lora else None, b["wcscales"], b["bias"],
             self.fmt, self.act_fmt, backend or self.backend, self._kernel_key]
 
 @patch
@@ -220,7 +221,7 @@ def forward(self: W4A4Linear, x: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"x must have dtype in {INPUT_DTYPES}, not {x.dtype}")
     if x.dim() == 0 or x.shape[-1] != self.in_features:
         raise ValueError(f"x must have last dimension in_features={self.in_features}, got shape {tuple(x.shape)}")
-    if x.device != self.qweight_data.device:
+    if x.device != self._buffers["qweight_data"].device:
         raise ValueError(f"x is on {x.device} but the layer is on {self.qweight_data.device}")
     if self.backend not in BACKENDS:
         raise ValueError(f"backend={self.backend!r} must be one of {BACKENDS}")
