@@ -265,7 +265,7 @@ def test_the_bound_path_computes_what_the_op_does(act_fmt):
                 x = torch.randn(M, 1024, device="cuda", dtype=torch.bfloat16)
                 op = torch.ops.w4a4.linear(*layer.op_args(x, "sm90"))
                 assert torch.equal(layer(x), op) and torch.equal(layer(x), op), (rank, M)   # built, then bound
-                assert gemm.kept(layer)["bound linear"][(M, x.dtype, x.device)].gemm is not None
+                assert gemm.kept(layer.qweight_data)["bound linear"][(M, x.dtype, x.device)].gemm is not None
             x = torch.randn(300, 1024, device="cuda")
             assert torch.equal(layer(x), torch.ops.w4a4.linear(*layer.op_args(x, "sm90"))) and layer(x).dtype == torch.float32
             layer.smooth.mul_(1.5)
@@ -423,7 +423,7 @@ def test_a_second_import_registers_the_op_again():
 
 
 def bound_plans(layer):
-    return gemm.kept(layer).get("bound linear", {})
+    return gemm.kept(layer.qweight_data).get("bound linear", {})
 
 
 def test_the_bound_path_is_kept_per_m_and_rebuilt_when_a_buffer_changes(stubbed_sm90):
@@ -470,3 +470,16 @@ def test_a_layer_made_under_inference_mode_runs(stubbed_sm90):
         layer(x)
         layer(x)
     assert not bound_plans(layer) and stubbed_sm90[-1].names[0] == "act"
+
+
+def test_the_op_itself_binds(stubbed_sm90):
+    "`torch.ops.w4a4.linear` (what a compiled graph calls) takes the bound path too, on the plan the eager forward keeps."
+    layer, x = sm90_layer("int4_pg")
+    args = layer.op_args(x, "sm90")
+    with torch.no_grad():
+        torch.ops.w4a4.linear(*args)
+        (plan,) = bound_plans(layer).values()
+        n = len(stubbed_sm90)
+        torch.ops.w4a4.linear(*args)
+        layer(x)
+    assert [l.names[0] for l in stubbed_sm90[n:]] == ["x", "x", "act"] * 2 and list(bound_plans(layer).values()) == [plan]

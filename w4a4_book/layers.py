@@ -228,8 +228,8 @@ def forward(self: W4A4Linear, x: torch.Tensor) -> torch.Tensor:
     compiling = torch.compiler.is_compiling()        # a trace passes the backend on: the op decides "auto" as it runs
     backend, name = (self.backend, None) if compiling else self.route(x)
     args = self.op_args(x.reshape(-1, self.in_features), backend)
-    # eager, on the kernels, with a plain tensor: the op's bound path (`ops.bound_linear`), where one applies
-    y = ops.bound_linear(self, args) if backend == "sm90" and not compiling and type(x) is torch.Tensor else None
+    # eager, on the kernels, with a plain tensor: the op's bound path (`ops.bound_linear`) without the dispatch
+    y = ops.bound_linear(args) if backend == "sm90" and not compiling and type(x) is torch.Tensor else None
     if y is None:
         y = torch.ops.w4a4.linear(*args)
     if not compiling and self.__dict__.get("last_backend") != name:

@@ -21,8 +21,8 @@ from .reference import w4a4_gemm_ref
 
 # %% auto #0
 __all__ = ['BACKENDS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'BOUND_ACT_FORMATS', 'config_key', 'config_from_key',
-           'why_not_sm90', 'plan', 'weights', 'lora_down_t', 'quantize_act_ref', 'quantize_act_sm90', 'w4a4_linear',
-           'BoundLinear', 'bound_linear']
+           'why_not_sm90', 'plan', 'weights', 'lora_down_t', 'quantize_act_ref', 'quantize_act_sm90', 'BoundLinear',
+           'bound_linear', 'w4a4_linear']
 
 # %% ../nbs/08c_ops.ipynb #cd7d0487
 BACKENDS = ("auto", "reference", "sm90")
@@ -164,55 +164,6 @@ def _kernel(backend: str, x, problem: Problem, config: str):
         return config_from_key(config) or _default_config(problem)
     return plan(x, problem, config)[1]
 
-# %% ../nbs/08c_ops.ipynb #2d39e65e
-_SCHEMA = ("(Tensor x, Tensor qweight_data, Tensor qweight_scales, Tensor? qweight_global_scale, Tensor? qweight_base, "
-           "Tensor smooth, Tensor? lora_down, Tensor? lora_up, Tensor wcscales, Tensor? bias, "
-           "str fmt, str act_fmt, str backend, str config) -> Tensor")
-
-def _library() -> torch.library.Library:
-    """The `torch.library` fragment of namespace `w4a4`, made afresh: the one an earlier import of this module made is
-    destroyed first. NOTES: a process may import this module twice (a doc renderer does; a notebook runs this cell and
-    then imports the module), and defining `w4a4::linear` twice raises; the fragment is kept in a module of its own in
-    `sys.modules`, which outlives a re-import, as `torch.library.custom_op` keeps its own."""
-    holder = sys.modules.setdefault("w4a4_book._op_library", types.ModuleType("w4a4_book._op_library"))
-    if getattr(holder, "lib", None) is not None:
-        holder.lib._destroy()            # its registrations, even while something else still holds the object
-    holder.lib = torch.library.Library("w4a4", "FRAGMENT")
-    return holder.lib
-
-# NOTES: `torch.library.Library.define` and `impl`, not `torch.library.custom_op`: the op is the same, but a call skips
-# custom_op's autograd and dispatch wrappers, a cost paid on every eager call
-_LIB = _library()
-_LIB.define("linear" + _SCHEMA)
-
-def w4a4_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up,
-                wcscales, bias, fmt, act_fmt, backend, config):
-    """The W4A4 linear layer on rows `x` `[M, K]` -> `[M, N]` in `x`'s dtype, from the layer's buffers (`lora_down`,
-    `lora_up` None at rank 0): `backend` 'reference' (the rules, any device), 'sm90' (the kernel of config key `config`,
-    '' for the format's default) or 'auto' (the kernels where they can run). Registered as `torch.ops.w4a4.linear`."""
-    _check_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up,
-                  wcscales, bias, fmt, act_fmt, backend, config)
-    problem = _problem(x, qweight_data, qweight_scales, smooth, lora_up, fmt, act_fmt)
-    kernel = _kernel(backend, x, problem, config)
-    wgt = weights(qweight_data, qweight_scales, fmt, qweight_global_scale, qweight_base)
-    if kernel is None:
-        act, lora_act = quantize_act_ref(x, smooth, lora_down, act_fmt)
-        y = w4a4_gemm_ref(act, wgt, lora_act, lora_up, wcscales, bias)
-    else:
-        act, lora_act = quantize_act_sm90(x, smooth, lora_down, act_fmt)
-        y = gemm.gemm_w4a4(act, wgt, lora_act, lora_up, wcscales, bias, out_dtype=smooth.dtype, config=kernel)
-    return y.to(x.dtype)
-
-_LIB.impl("linear", w4a4_linear, "CompositeExplicitAutograd")
-
-@torch.library.register_fake("w4a4::linear", lib=_LIB)
-def _(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up, wcscales, bias,
-      fmt, act_fmt, backend, config):
-    "Metadata only: the same checks, and an empty `[M, N]` tensor in `x`'s dtype."
-    _check_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up,
-                  wcscales, bias, fmt, act_fmt, backend, config)
-    return x.new_empty(x.shape[0], qweight_data.shape[0])
-
 # %% ../nbs/08c_ops.ipynb #e89507d3
 BOUND_ACT_FORMATS = ("int4_pg", "int8")     # the activation formats whose whole sm90 forward binds (`BoundLinear`)
 
@@ -260,15 +211,17 @@ def _stamp(args: list) -> Optional[tuple]:
     except RuntimeError:          # an inference tensor has no version counter: nothing can tell a write to it
         return None
 
-def bound_linear(owner, args: list) -> Optional[torch.Tensor]:
-    """`w4a4::linear` on `args` (`backend` 'sm90') through the `BoundLinear` that `owner` (the layer) keeps for `x`'s M,
-    dtype and device, built on first use and again after any argument changes (a new tensor, an in-place write, a new
-    format or config). None where no bound path applies (then the caller runs the op): a layer of inference tensors,
-    an empty batch, an activation format outside `BOUND_ACT_FORMATS`, a kernel compiled per M."""
+def bound_linear(args: list) -> Optional[torch.Tensor]:
+    """`w4a4::linear` on `args` through the `BoundLinear` kept with the weights (`gemm.kept(qweight_data)`, dropped
+    with them) for `x`'s M, dtype and device, built on first use and again after any argument changes (a new tensor,
+    an in-place write, a new format or config). None where no bound path applies (then the checked path runs): the
+    reference backend, a layer of inference tensors, an empty batch, an activation format outside
+    `BOUND_ACT_FORMATS`, a kernel compiled per M. NOTES: a plan holds no reference to `qweight_data` (the kernel reads
+    its prepacked copy), so the weak reference `kept` keeps can die."""
     x, stamp = args[0], _stamp(args)
-    if stamp is None or x.shape[0] == 0 or args[11] not in BOUND_ACT_FORMATS:
+    if stamp is None or x.shape[0] == 0 or args[11] not in BOUND_ACT_FORMATS or args[12] == "reference":
         return None
-    plans, key = gemm.kept(owner).setdefault("bound linear", {}), (x.shape[0], x.dtype, x.device)
+    plans, key = gemm.kept(args[1]).setdefault("bound linear", {}), (x.shape[0], x.dtype, x.device)
     plan = plans.get(key)
     if plan is not None and plan.stamp == stamp:
         return plan(x) if plan.gemm is not None else None
@@ -280,3 +233,58 @@ def bound_linear(owner, args: list) -> Optional[torch.Tensor]:
     y, plan.first = plan.first, None
     return y
 
+
+# %% ../nbs/08c_ops.ipynb #2d39e65e
+_SCHEMA = ("(Tensor x, Tensor qweight_data, Tensor qweight_scales, Tensor? qweight_global_scale, Tensor? qweight_base, "
+           "Tensor smooth, Tensor? lora_down, Tensor? lora_up, Tensor wcscales, Tensor? bias, "
+           "str fmt, str act_fmt, str backend, str config) -> Tensor")
+
+def _library() -> torch.library.Library:
+    """The `torch.library` fragment of namespace `w4a4`, made afresh: the one an earlier import of this module made is
+    destroyed first. NOTES: a process may import this module twice (a doc renderer does; a notebook runs this cell and
+    then imports the module), and defining `w4a4::linear` twice raises; the fragment is kept in a module of its own in
+    `sys.modules`, which outlives a re-import, as `torch.library.custom_op` keeps its own."""
+    holder = sys.modules.setdefault("w4a4_book._op_library", types.ModuleType("w4a4_book._op_library"))
+    if getattr(holder, "lib", None) is not None:
+        holder.lib._destroy()            # its registrations, even while something else still holds the object
+    holder.lib = torch.library.Library("w4a4", "FRAGMENT")
+    return holder.lib
+
+# NOTES: `torch.library.Library.define` and `impl`, not `torch.library.custom_op`: the op is the same, but a call skips
+# custom_op's autograd and dispatch wrappers, a cost paid on every eager call
+_LIB = _library()
+_LIB.define("linear" + _SCHEMA)
+
+def w4a4_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up,
+                wcscales, bias, fmt, act_fmt, backend, config):
+    """The W4A4 linear layer on rows `x` `[M, K]` -> `[M, N]` in `x`'s dtype, from the layer's buffers (`lora_down`,
+    `lora_up` None at rank 0): `backend` 'reference' (the rules, any device), 'sm90' (the kernel of config key `config`,
+    '' for the format's default) or 'auto' (the kernels where they can run). Registered as `torch.ops.w4a4.linear`.
+    A call that binds (`bound_linear`) skips the checks it was bound after."""
+    args = [x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up, wcscales,
+            bias, fmt, act_fmt, backend, config]
+    y = bound_linear(args) if type(x) is torch.Tensor else None
+    if y is not None:
+        return y
+    _check_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up,
+                  wcscales, bias, fmt, act_fmt, backend, config)
+    problem = _problem(x, qweight_data, qweight_scales, smooth, lora_up, fmt, act_fmt)
+    kernel = _kernel(backend, x, problem, config)
+    wgt = weights(qweight_data, qweight_scales, fmt, qweight_global_scale, qweight_base)
+    if kernel is None:
+        act, lora_act = quantize_act_ref(x, smooth, lora_down, act_fmt)
+        y = w4a4_gemm_ref(act, wgt, lora_act, lora_up, wcscales, bias)
+    else:
+        act, lora_act = quantize_act_sm90(x, smooth, lora_down, act_fmt)
+        y = gemm.gemm_w4a4(act, wgt, lora_act, lora_up, wcscales, bias, out_dtype=smooth.dtype, config=kernel)
+    return y.to(x.dtype)
+
+_LIB.impl("linear", w4a4_linear, "CompositeExplicitAutograd")
+
+@torch.library.register_fake("w4a4::linear", lib=_LIB)
+def _(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up, wcscales, bias,
+      fmt, act_fmt, backend, config):
+    "Metadata only: the same checks, and an empty `[M, N]` tensor in `x`'s dtype."
+    _check_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up,
+                  wcscales, bias, fmt, act_fmt, backend, config)
+    return x.new_empty(x.shape[0], qweight_data.shape[0])
