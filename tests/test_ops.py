@@ -273,6 +273,35 @@ def test_the_bound_path_computes_what_the_op_does(act_fmt):
             assert torch.equal(layer(x), torch.ops.w4a4.linear(*layer.op_args(x, "sm90")))
 
 
+_CACHED_FORWARD = """
+import sys, torch
+from torch import nn
+from w4a4_book import gemm
+from w4a4_book.layers import W4A4Linear
+torch.manual_seed(0)
+layer = W4A4Linear.from_linear(nn.Linear(512, 256), rank=32, fmt="int4_pg").cuda()
+with torch.no_grad():
+    y = layer(torch.randn(17, 512, generator=torch.Generator().manual_seed(1)).cuda().bfloat16())
+torch.save(y.cpu(), sys.argv[1])
+print(gemm.CACHE_STATS)
+"""
+
+
+@pytest.mark.gpu
+@SM90
+def test_a_new_process_loads_the_compiled_kernels_from_disk(tmp_path):
+    "The first process compiles the layer's three kernels and saves them; a second loads all three and computes the same."
+    import ast, os, subprocess, sys
+    env = {**os.environ, gemm.KERNEL_CACHE_ENV: str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-c", _CACHED_FORWARD, str(tmp_path / f"y{i}.pt")], env=env,
+                           capture_output=True, text=True, timeout=400) for i in range(2)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
+    first, second = (ast.literal_eval(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert first == {"compiled": 3, "loaded": 0, "stored": 3}        # the two activation passes and the GEMM
+    assert second == {"compiled": 0, "loaded": 3, "stored": 0}
+    assert torch.equal(torch.load(tmp_path / "y0.pt"), torch.load(tmp_path / "y1.pt"))
+
+
 # ---------------------------------------------------------------------------------------------
 # The host path of an sm90 forward, on the CPU: compilation, launches and device queries stubbed
 
@@ -301,6 +330,7 @@ def stubbed_sm90(monkeypatch):
     monkeypatch.setattr(gemm, "sm_count", lambda index: 132)
     monkeypatch.setattr(gemm, "_compiled", {})
     monkeypatch.setattr(gemm, "compile_launchable", compile_launchable)
+    monkeypatch.setenv(gemm.KERNEL_CACHE_ENV, "off")
     return launches
 
 

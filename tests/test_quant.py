@@ -152,8 +152,9 @@ def test_one_compiled_kernel_per_pass_serves_every_m(fmt):
     g = torch.Generator(device="cuda").manual_seed(7)
     lam = (torch.rand(K, device="cuda", generator=g) + 0.5).bfloat16()
     ldt = (torch.randn(R, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
-    sig = (K, R, torch.bfloat16, True, gemm.ACT_STAGES, K // G, dev.index)         # the compile keys of this test's passes
-    for key in [k for k in gemm._compiled if k[1:] == sig]:                          # compiled afresh here, whatever ran before
+    sig = (K, R, torch.bfloat16, True, gemm.ACT_STAGES, K // G)                  # the compile keys of this test's passes
+    mine = lambda: [k for k in gemm._compiled if k[0][1:] == sig and k[1] == dev.index]
+    for key in mine():                                                               # compiled afresh here, whatever ran before
         del gemm._compiled[key]
     for M in (1, 17, 256, 4352):
         assert gemm.k_splits(-(-M // 64), K // G, gemm.sm_count(dev.index)) == K // G   # one share count for all four
@@ -165,4 +166,4 @@ def test_one_compiled_kernel_per_pass_serves_every_m(fmt):
         assert torch.equal(act.scales, ref.scales) if fmt == "int4" else torch.equal(act.base, ref.base), M
         want = x.float() @ ldt.float().T
         assert ((lora_act.float() - want).abs() <= 2.0 ** -7 * want.abs() + 2.0 ** -16 * want.abs().max()).all(), M
-    assert len([k for k in gemm._compiled if k[1:] == sig]) == (1 if fmt == "int4" else 2)   # once per pass, for every M
+    assert len(mine()) == (1 if fmt == "int4" else 2)                                # once per pass, for every M

@@ -24,12 +24,13 @@ from .operands import Problem, fail
 
 # %% auto #0
 __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'SCALE_DTYPE',
-           'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ROW_CODES_ARGS', 'ACTIVATION_FORMATS', 'QUANT_MODES',
-           'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields', 'bind',
-           'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable', 'compile_on_fakes',
-           'example_problem', 'compile_kernel', 'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm',
-           'gemm_bound', 'gemm_w4a4', 'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quant_specs',
-           'constant', 'quantize_lora_down', 'bind_quantize_rows', 'quantize_rows_int8', 'compile_quant']
+           'KERNEL_CACHE_ENV', 'CACHE_STATS', 'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ROW_CODES_ARGS',
+           'ACTIVATION_FORMATS', 'QUANT_MODES', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config',
+           'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport',
+           'compile_launchable', 'compile_on_fakes', 'example_problem', 'compile_kernel', 'kernel_cache_dir',
+           'cache_name', 'store_kernel', 'launchable', 'compiled_kernel', 'kept', 'derived', 'gemm_launcher',
+           'BoundGemm', 'gemm_bound', 'gemm_w4a4', 'compile_arguments', 'compile_command', 'sm_count', 'k_splits',
+           'quant_specs', 'constant', 'quantize_lora_down', 'bind_quantize_rows', 'quantize_rows_int8', 'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -271,15 +272,96 @@ def compile_kernel(config=None, problem: Optional[Problem] = None, arch: Optiona
 
 # %% ../nbs/05a_gemm.ipynb #f1d3886d
 _compiled: dict = {}
+KERNEL_CACHE_ENV = "W4A4_BOOK_KERNEL_CACHE"    # a folder for the disk cache, or "off"
+CACHE_STATS = {"compiled": 0, "loaded": 0, "stored": 0}   # this process's kernels: compiled, loaded from disk, saved
+_loaded_modules: list = []                      # the shared libraries kernels were loaded from, kept loaded
+
+def kernel_cache_dir() -> Optional[str]:
+    "The disk cache of compiled kernels: `$W4A4_BOOK_KERNEL_CACHE`, else `$XDG_CACHE_HOME/w4a4_book/kernels` (~/.cache); None when set to 'off'."
+    d = os.environ.get(KERNEL_CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                         "w4a4_book", "kernels")
+    return None if d == "off" else d
+
+@functools.lru_cache(maxsize=None)
+def _code_digest() -> str:
+    "A digest of this package's Python files, of CuTe DSL's and TVM-FFI's versions: a cached kernel is valid for these alone."
+    import hashlib
+    from importlib.metadata import version
+    h, root = hashlib.sha256(), os.path.dirname(os.path.abspath(__file__))
+    for dirpath, _, files in sorted(os.walk(root)):
+        for f in sorted(f for f in files if f.endswith(".py")):
+            h.update(f.encode()); h.update(open(os.path.join(dirpath, f), "rb").read())
+    h.update(version("nvidia-cutlass-dsl").encode()); h.update(version("apache-tvm-ffi").encode())
+    return h.hexdigest()
+
+def _device_identity(dev) -> tuple:
+    props = torch.cuda.get_device_properties(dev)
+    return props.name, props.major, props.minor, props.multi_processor_count
+
+def cache_name(key: tuple, dev) -> str:
+    "The disk cache's name for the kernel of `key` (every shape but M, the config) on device `dev`: a digest of both and of the code."
+    import hashlib
+    return "w4a4_" + hashlib.sha256(repr((key, _device_identity(dev), _code_digest())).encode()).hexdigest()[:32]
+
+def store_kernel(fn, path: str, name: str) -> bool:
+    """Save compiled kernel `fn` as the shared library `path` exporting `name` (`export_to_c`, then `cc -shared`),
+    written beside and renamed into place; False (and a warning) where that fails, for example with no C compiler."""
+    import shutil, subprocess, tempfile, warnings
+    from cutlass.cute.runtime import find_runtime_libraries
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    try:
+        if cc is None: raise RuntimeError("no C compiler (cc) to link it with")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as d:
+            obj, lib = os.path.join(d, "k.o"), os.path.join(d, "k.so")
+            fn.export_to_c(obj, function_name=name)
+            libs = find_runtime_libraries(enable_tvm_ffi=True)
+            r = subprocess.run([cc, "-shared", "-o", lib, obj, *libs, *{f"-Wl,-rpath,{os.path.dirname(l)}" for l in libs}],
+                               capture_output=True, text=True)
+            if r.returncode: raise RuntimeError(r.stderr[-500:])
+            os.replace(lib, path)
+        return True
+    except (OSError, RuntimeError) as e:
+        warnings.warn(f"compiled kernel not saved to the disk cache ({KERNEL_CACHE_ENV}={kernel_cache_dir()}): {e}")
+        return False
+
+def _load_kernel(path: str, name: str):
+    from cutlass.cute.runtime import load_module
+    module = load_module(path)
+    _loaded_modules.append(module)
+    return module[name]
+
+def launchable(key: tuple, dev, make):
+    """The compiled kernel of `key` on device `dev`: compiled on first use in this process (`make()` gives `(kernel,
+    specs, dynamic_m)` for `compile_launchable`), or loaded from the disk cache, where a first use saves it."""
+    fn = _compiled.get((key, dev.index))
+    if fn is not None:
+        return fn
+    d = kernel_cache_dir()
+    name = cache_name(key, dev) if d else None
+    path = os.path.join(d, name + ".so") if d else None
+    if path and os.path.exists(path):
+        try:
+            fn = _load_kernel(path, name)
+            CACHE_STATS["loaded"] += 1
+        except Exception:              # a broken entry (a killed writer, a changed runtime): compiled again below
+            fn = None
+    if fn is None:
+        kernel, specs, dynamic_m = make()
+        fn = compile_launchable(kernel, specs, dynamic_m)
+        CACHE_STATS["compiled"] += 1
+        if path and store_kernel(fn, path, name):
+            CACHE_STATS["stored"] += 1
+    _compiled[(key, dev.index)] = fn
+    return fn
 
 def compiled_kernel(config, p: Problem, dev):
-    "The compiled kernel of `config` for problem `p` on device `dev`, compiled on first use (`compile_launchable`)."
+    "The compiled kernel of `config` for problem `p` on device `dev` (`launchable`)."
     cls = spec_for(config).kernel_class()
-    key = (config, p.signature(cls.static_m), dev.index)
-    if key not in _compiled:
+    def make():
         kernel, _ = build(config, p, sm_count(dev.index))
-        _compiled[key] = compile_launchable(kernel, kernel.arguments(p), dynamic_m=not cls.static_m)
-    return _compiled[key]
+        return kernel, kernel.arguments(p), not cls.static_m
+    return launchable((config, p.signature(cls.static_m)), dev, make)
 
 # %% ../nbs/05a_gemm.ipynb #424d16ec
 _DERIVED: dict = {}   # id of an object -> (a weak reference to it, the dict `kept` for it)
@@ -450,10 +532,10 @@ def quant_specs(kernel, names, tensors: list) -> list:
 def _launch_quant(key, make, tensors: list, names=QUANT_ARGS):
     """Launch the activation kernel `make()` on `tensors`, compiled once per `key` (every shape but M: the kernels read
     M at run time) by `compile_launchable`, as the GEMM is."""
-    if key not in _compiled:
+    def compile_it():
         kernel = make()
-        _compiled[key] = compile_launchable(kernel, quant_specs(kernel, names, tensors), dynamic_m=True)
-    _compiled[key](*tensors)
+        return kernel, quant_specs(kernel, names, tensors), True
+    launchable(key, tensors[0].device, compile_it)(*tensors)
 
 _CONSTANTS: dict = {}
 
@@ -499,7 +581,7 @@ def _quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm) -> dict:
     # the kernel multiplies by the correctly rounded reciprocal, as `quantize`'s rules do (chapter 1)
     sm = derived(smooth, "recip", lambda s: reciprocal(s.float())) if smooth is not None else constant(1.0, (K,), torch.float32, dev)
     ldt = lora_down_t if lora_down_t is not None else constant(0.0, (16, K), x.dtype, dev)
-    sig = (K, R, x.dtype, smooth is not None, stages, ks, dev.index)   # the kernels are specialised on every shape but M
+    sig = (K, R, x.dtype, smooth is not None, stages, ks)   # the kernels are specialised on every shape but M
     return dict(sm=sm, ldt=ldt, ks=ks, sig=sig)
 
 def bind_quantize_rows(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM):
