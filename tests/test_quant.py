@@ -167,3 +167,53 @@ def test_one_compiled_kernel_per_pass_serves_every_m(fmt):
         want = x.float() @ ldt.float().T
         assert ((lora_act.float() - want).abs() <= 2.0 ** -7 * want.abs() + 2.0 ** -16 * want.abs().max()).all(), M
     assert len(mine()) == (1 if fmt == "int4" else 2)                                # once per pass, for every M
+
+
+ONE_PASS_CASES = [  # M (tails included), K, R, dtype, smooth, cluster
+    (1, 1024, 32, torch.bfloat16, True, 2), (300, 1024, 128, torch.bfloat16, True, 4), (257, 3840, 0, torch.float16, False, 6),
+    (4352, 3840, 32, torch.bfloat16, True, None), (1000, 3840, 256, torch.bfloat16, True, 12), (513, 15360, 32, torch.bfloat16, True, 16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4_pg", "int8"])
+@pytest.mark.parametrize("M, K, R, dt, smooth, cluster", ONE_PASS_CASES)
+def test_one_pass_exact_against_quantize(fmt, M, K, R, dt, smooth, cluster):
+    "The one-pass kernel (a cluster per row tile) writes `quantize(x / smooth, fmt)` bit for bit, and lora_act to its rounding."
+    g = torch.Generator(device="cuda").manual_seed(M + K + R + 2)
+    x = (torch.randn(M, K, device="cuda", generator=g) * 3).to(dt)
+    x[:, 5] *= 40                                                    # an outlier channel
+    x[min(3, M - 1)] = 0                                             # an all-zero row: base 0, u 1, codes 0
+    lam = (torch.rand(K, device="cuda", generator=g) + 0.5).to(dt) if smooth else None
+    down = (torch.randn(K, R, device="cuda", generator=g) / K ** 0.5).to(dt) if R else None
+    codes, base, lora_act = gemm.quantize_rows_one_pass(x, lam, down.T.contiguous() if R else None, fmt=fmt, cluster=cluster)
+    torch.cuda.synchronize()
+    xs = x.float() * reciprocal(lam.float()) if smooth else x.float()
+    ref = quantize(xs, fmt)
+    ref8 = ref.as_int8() if fmt == "int4_pg" else ref
+    bad = (base != ref8.base).nonzero()
+    assert not len(bad), f"{len(bad)} bases differ, first rows {bad[:4].flatten().tolist()}"
+    bad = (codes != ref8.data).nonzero()
+    assert not len(bad), f"{len(bad)} codes differ, first (row, k): {bad[:4].tolist()}"
+    assert (lora_act is None) == (R == 0)
+    if R:
+        want = x.float() @ down.float()
+        ulp = 2.0 ** -7 if dt == torch.bfloat16 else 2.0 ** -10
+        assert ((lora_act.float() - want).abs() <= ulp * want.abs() + 2.0 ** -16 * want.abs().max()).all()
+        again = gemm.quantize_rows_one_pass(x, lam, down.T.contiguous(), fmt=fmt, cluster=cluster)[2]
+        assert torch.equal(again, lora_act)                          # a fixed order of summation: the same every run
+
+
+def test_one_pass_smem_is_the_kernels_and_bad_clusters_are_refused():
+    "`one_pass_smem` is the kernel's storage, byte for byte; a cluster that cannot hold its shares is refused before a launch."
+    for K, R, c, fmt in [(3840, 32, 6, "int4_pg"), (3840, 0, 4, "int8"), (1024, 128, 2, "int4_pg")]:
+        ptx, smem = gemm.compile_quant(M=300, K=K, R=R, k_splits=c, mode=f"one_pass_{fmt}")
+        assert "mapa.shared::cluster" in ptx and "barrier.cluster.arrive" in ptx and not re.search(r"div\.approx", ptx)
+        assert smem == gemm.one_pass_smem(K, R, c), (K, R, c, smem)
+    assert (gemm.one_pass_cluster(3840, 32), gemm.one_pass_cluster(15360, 32), gemm.one_pass_cluster(10240, 128)) == (4, 15, None)
+    x = bf16(64, 3840)
+    for bad in (7, 1, 32, 2):                                        # 7 ∤ 60; 1 and 32 outside [2, 16]; 2: 30 K-blocks do not fit
+        with pytest.raises(ValueError, match="cluster: "):
+            gemm.quantize_rows_one_pass(x, fmt="int4_pg", cluster=bad)
+    with pytest.raises(ValueError, match="fmt: 'int4': one pass writes int4_pg or int8"):
+        gemm.quantize_rows_one_pass(x, fmt="int4")

@@ -25,12 +25,13 @@ from .operands import Problem, fail
 # %% auto #0
 __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'SCALE_DTYPE',
            'KERNEL_CACHE_ENV', 'CACHE_STATS', 'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ROW_CODES_ARGS',
-           'ACTIVATION_FORMATS', 'QUANT_MODES', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config',
-           'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport',
-           'compile_launchable', 'compile_on_fakes', 'example_problem', 'compile_kernel', 'kernel_cache_dir',
-           'cache_name', 'store_kernel', 'launchable', 'compiled_kernel', 'kept', 'derived', 'gemm_launcher',
-           'BoundGemm', 'gemm_bound', 'gemm_w4a4', 'compile_arguments', 'compile_command', 'sm_count', 'k_splits',
-           'quant_specs', 'constant', 'quantize_lora_down', 'bind_quantize_rows', 'quantize_rows_int8', 'compile_quant']
+           'ACTIVATION_FORMATS', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS', 'QUANT_MODES', 'KernelSpec', 'register', 'spec_for',
+           'find_kernel', 'default_config', 'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build',
+           'CompileReport', 'compile_launchable', 'compile_on_fakes', 'example_problem', 'compile_kernel',
+           'kernel_cache_dir', 'cache_name', 'store_kernel', 'launchable', 'compiled_kernel', 'kept', 'derived',
+           'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4', 'compile_arguments', 'compile_command', 'sm_count',
+           'k_splits', 'quant_specs', 'constant', 'quantize_lora_down', 'bind_quantize_rows', 'quantize_rows_int8',
+           'one_pass_smem', 'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -609,12 +610,58 @@ def quantize_rows_int8(x, *, sm, ldt, ks, sig, fmt, stages, has_smooth) -> tuple
                   [x, sm, rowmax.view(torch.float32), codes.view(torch.int32), base, partial, lora_act], ROW_CODES_ARGS)
     return codes, base, (lora_act if R else None)
 
-QUANT_MODES = ("int4", "pg_rowmax", "int4_pg", "int8")   # `compile_quant`: QuantLoraDown's two modes, RowCodes's two formats
+SMEM_PER_BLOCK = 232448     # bytes of shared memory one CTA may opt into on sm_90 (227 KiB)
+
+def one_pass_smem(K: int, R: int, cluster: int, elt: int = 2) -> int:
+    """Shared memory of the one-pass activation kernel (`QuantLoraDown` mode int4_pg or int8) with `cluster` CTAs per
+    row tile: every K-block of a CTA's share (64 rows of x and R rows of lora_downᵀ, 64 wide), its full and empty
+    barriers, its 64 row maxima; the buffers and the whole 1024-byte aligned, as the kernel's storage is (at rank 0
+    one idle 16-row stage of lora_downᵀ)."""
+    stages, RL, up = K // 64 // cluster, max(R, 16), lambda n: -(-n // 1024) * 1024
+    return up(up(16 * stages) + up(64 * 64 * elt * stages) + up(RL * 64 * elt * (stages if R else 1)) + 4 * 64)
+
+def one_pass_cluster(K: int, R: int, elt: int = 2) -> Optional[int]:
+    "The one-pass kernel's default cluster: the fewest CTAs (2 to 16, a divisor of K/64) whose shares fit in shared memory; None if none fits."
+    from w4a4_book.kernels.sm90_quant import QuantLoraDown
+    return next((c for c in range(2, QuantLoraDown.MAX_CLUSTER + 1)
+                 if (K // 64) % c == 0 and one_pass_smem(K, R, c, elt) <= SMEM_PER_BLOCK), None)
+
+def quantize_rows_one_pass(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", cluster=None) -> tuple:
+    """`quantize_lora_down`'s result for an int8-lane `fmt` (int4_pg, int8) in one pass over `x`: the `cluster` CTAs
+    of a 64-row tile (a divisor of K/64 from 2 to 16; default `one_pass_cluster`) are one cluster that holds its
+    shares of x in shared memory and reduces the row maxima and the LoRA partials on chip (`QuantLoraDown` mode
+    `fmt`). Returns `(codes, base, lora_act)`, `lora_act` None without `lora_down_t`."""
+    from w4a4_book.kernels.sm90_quant import QuantLoraDown, G, MAX_RANK
+    if fmt not in ("int4_pg", "int8"): fail(ValueError, "fmt", f"{fmt!r}: one pass writes int4_pg or int8")
+    M, K, R = operands.check_quant_inputs(x, smooth, lora_down_t, group_size=G, max_rank=MAX_RANK, device=False)
+    c = cluster if cluster is not None else one_pass_cluster(K, R)
+    if c is None or not isinstance(c, int) or not 2 <= c <= QuantLoraDown.MAX_CLUSTER or (K // G) % c \
+            or one_pass_smem(K, R, c) > SMEM_PER_BLOCK:
+        fail(ValueError, "cluster", f"{c!r}: must divide K/64={K // G}, lie in [2, {QuantLoraDown.MAX_CLUSTER}] and fit "
+                                    f"K/64/cluster K-blocks in {SMEM_PER_BLOCK} bytes of shared memory")
+    operands.check_devices({"x": x, "smooth": smooth, "lora_down_t": lora_down_t}, (9, 0), first="x")
+    dev = x.device
+    sm = derived(smooth, "recip", lambda s: reciprocal(s.float())) if smooth is not None else constant(1.0, (K,), torch.float32, dev)
+    ldt = lora_down_t if lora_down_t is not None else constant(0.0, (16, K), x.dtype, dev)
+    codes = torch.empty(M, K, dtype=torch.int8, device=dev)
+    base = torch.empty(M, dtype=torch.float32, device=dev)
+    lora_act = torch.empty(M, R, dtype=x.dtype, device=dev) if R else constant(0.0, (1, 16), x.dtype, dev)
+    key = ("one pass", fmt, K, R, x.dtype, smooth is not None, c)
+    _launch_quant(key, lambda: QuantLoraDown(R, K // G // c, smooth is not None, c, mode=fmt),
+                  [x, sm, ldt, codes.view(torch.int32), base, lora_act], ONE_PASS_ARGS)
+    return codes, base, (lora_act if R else None)
+
+ONE_PASS_ARGS = ("x", "recip_smooth", "lora_down_t", "codes", "base", "lora_act")   # the one-pass kernel's tensors, in order
+
+QUANT_MODES = ("int4", "pg_rowmax", "int4_pg", "int8", "one_pass_int4_pg", "one_pass_int8")
+# `compile_quant`: QuantLoraDown's two-pass modes, RowCodes's two formats, QuantLoraDown's one-pass formats
 
 def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mode="int4"):
     """PTX and shared-memory bytes of one activation kernel compiled for sm_90a on fake tensors (no GPU needed), M a
     run-time value as on the GPU:
-    `QuantLoraDown` in `mode` "int4" or "pg_rowmax", or the second pass `RowCodes` of format "int4_pg" or "int8"."""
+    `QuantLoraDown` in `mode` "int4" or "pg_rowmax", the second pass `RowCodes` of format "int4_pg" or "int8", or the
+    one-pass kernel of "one_pass_int4_pg" or "one_pass_int8" (a cluster of `k_splits` CTAs). Returns `(ptx, shared
+    memory bytes)`, 0 bytes for `RowCodes`."""
     import cutlass
     from w4a4_book.kernels.sm90_parts import ArgSpec
     from w4a4_book.kernels.sm90_quant import QuantLoraDown, RowCodes, G
@@ -628,8 +675,13 @@ def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mo
                  ArgSpec("lora_act", dt, (M, RL), (1, 0))]
         k = RowCodes(mode, smooth, R, k_splits)
         return compile_on_fakes(k, [s._replace(m_mode=m) for s, m in zip(specs, k.m_modes())], dynamic_m=True)[0], 0
-    aux = ArgSpec("scales", dt, (K // G, M), (1, 0)) if mode == "int4" else ArgSpec("rowmax", cutlass.Int32, (M,))
-    k = QuantLoraDown(R, 4, smooth, k_splits, mode=mode)
-    specs = [x, rs, ArgSpec("lora_down_t", dt, (RL, K), (1, 0)), codes, aux, lora]
+    ldt = ArgSpec("lora_down_t", dt, (RL, K), (1, 0))
+    if mode.startswith("one_pass_"):
+        k = QuantLoraDown(R, K // G // k_splits, smooth, k_splits, mode=mode[len("one_pass_"):])
+        specs = [x, rs, ldt, codes, ArgSpec("base", cutlass.Float32, (M,)), ArgSpec("lora_act", dt, (M, RL) if R else (1, 16), (1, 0))]
+    else:
+        aux = ArgSpec("scales", dt, (K // G, M), (1, 0)) if mode == "int4" else ArgSpec("rowmax", cutlass.Int32, (M,))
+        k = QuantLoraDown(R, 4, smooth, k_splits, mode=mode)
+        specs = [x, rs, ldt, codes, aux, lora]
     ptx, _ = compile_on_fakes(k, [s._replace(m_mode=m) for s, m in zip(specs, k.m_modes())], dynamic_m=True)
     return ptx, k.storage.size_in_bytes()

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['G', 'INT4_MIN', 'INT4_MAX', 'MAX_RANK', 'PG_U_MIN', 'PG_U_MAX', 'INT8_MAX', 'FLOAT32_MAX', 'VEC', 'copy_16b',
            'div_rn', 'mul_rn', 'recip_or_zero', 'round_even_i32', 'QuantLoads', 'QuantOutputs', 'QuantLoraDown',
-           'red_max_u32', 'row_base', 'group_scale', 'pack_int8', 'RowCodes']
+           'red_max_u32', 'row_base', 'group_scale', 'pack_int8', 'RowCodes', 'ld_cluster_f32', 'cluster_sync']
 
 # %% ../../nbs/08a_quant.ipynb #4256630b
 from typing import NamedTuple
@@ -83,15 +83,24 @@ class QuantLoraDown:
     threads = 128           # one warpgroup: 2 threads per row of the 64-row tile, 32 values each
     tile_m = 64
 
-    MODES = ("int4", "pg_rowmax")   # pg_rowmax: the first pass of the int8-lane formats (`RowCodes` is the second)
+    # pg_rowmax: the first pass of the int8-lane formats (`RowCodes` is the second); int4_pg, int8: both in one pass,
+    # the `k_splits` CTAs of a row tile one cluster holding their shares of x in shared memory (`ClusterRows`)
+    MODES = ("int4", "pg_rowmax", "int4_pg", "int8")
+    MAX_CLUSTER = 16        # CTAs in a cluster: 16 is Hopper's largest (non-portable) cluster
 
     def __init__(self, rank, stages=4, has_smooth=True, k_splits=1, mode="int4"):
         if mode not in self.MODES: raise ValueError(f"mode={mode!r}: must be one of {self.MODES}")
         self.rank, self.stages, self.has_smooth, self.k_splits, self.mode = rank, stages, has_smooth, k_splits, mode
         self.w_stages = stages if rank else 1      # rank 0: one idle 16-row stage keeps the code uniform
+        self.one_pass = mode in ("int4_pg", "int8")
+        if self.one_pass and not (1 <= k_splits <= self.MAX_CLUSTER and stages >= 2):
+            raise ValueError(f"k_splits={k_splits}, stages={stages}: one pass holds a cluster of at most "
+                             f"{self.MAX_CLUSTER} CTAs, each with all (at least two) of its K-blocks")
 
     def m_modes(self) -> tuple:
         "Each argument's mode of extent M, in `__call__`'s order (None: none): M is a run-time value of the compiled kernel."
+        if self.one_pass:
+            return (0, None, None, 0, 0, 0 if self.rank else None)
         return (0, None, None, 0, 1 if self.mode == "int4" else 0, 1)
 
     @cute.jit
@@ -99,7 +108,9 @@ class QuantLoraDown:
                  mAux: cute.Tensor, mLora: cute.Tensor, stream: cuda.CUstream):
         """mX (M, K) 16-bit; mRecipSmooth (K,) fp32 = 1/smooth; mLdT (R, K) = lora_downᵀ; mLora (k_splits, M, R) fp32 partials.
         int4: mCodes (M, K/8) int32 (packed INT4 words), mAux (K/64, M) 16-bit scales.
-        pg_rowmax: mAux (M,) uint32, the bits of each row's max |x/smooth| (zeros in, raised with `red.max`); mCodes unused."""
+        pg_rowmax: mAux (M,) uint32, the bits of each row's max |x/smooth| (zeros in, raised with `red.max`); mCodes unused.
+        int4_pg, int8 (one pass): mCodes (M, K/4) int32, four int8 `q·u` each; mAux (M,) fp32 `base`; mLora (M, R)
+        16-bit `lora_act` (a stand-in at rank 0); `stages` is each CTA's number of K-blocks, all held at once."""
         BM, R, S = self.tile_m, self.rank, self.stages
         dt = mX.element_type
         row = utils.LayoutEnum.ROW_MAJOR
@@ -119,11 +130,15 @@ class QuantLoraDown:
             empty: cute.struct.MemRange[cutlass.Int64, S]
             x: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(x_l)], 1024]
             w: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(w_l)], 1024]
+            red: cute.struct.MemRange[cutlass.Float32, BM if self.one_pass else 1]   # one pass: this CTA's row maxima
         self.storage = Storage
         self.tx = (BM + R) * G * dt.width // 8                             # bytes that land in one stage
+        if self.one_pass:
+            assert S * self.k_splits == cute.size(mX, mode=[1]) // G, "one pass: each CTA holds all of its K-blocks"
         M = cute.size(mX, mode=[0])
         self.kernel(QuantLoads(tma_x, gX, tma_w, gW), mRecipSmooth, QuantOutputs(mCodes, mAux, mLora), mma, x_l, w_l).launch(
-            grid=((M + BM - 1) // BM, self.k_splits, 1), block=[self.threads, 1, 1], stream=stream)
+            grid=((M + BM - 1) // BM, self.k_splits, 1), block=[self.threads, 1, 1],
+            cluster=[1, self.k_splits if self.one_pass else 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, loads, mRecipSmooth, outs, mma: cute.TiledMma, x_l, w_l):
@@ -186,7 +201,7 @@ class QuantLoraDown:
             xs, amax = self.load_group(rX, mRecipSmooth, m_local, half, cons.index, kt)
             if cutlass.const_expr(self.mode == "int4"):
                 self.store_int4(xs, amax, mCodes, mAux, m, M, half, kt)
-            if cutlass.const_expr(self.mode == "pg_rowmax"):
+            if cutlass.const_expr(self.mode != "int4"):
                 rowmax = cute.arch.fmax(rowmax, amax)
             if cutlass.const_expr(R > 0):
                 cute.nvgpu.warpgroup.wait_group(0)
@@ -198,14 +213,17 @@ class QuantLoraDown:
                 self.load(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0)
                 prod.advance()
 
-        if cutlass.const_expr(R > 0):
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                mm, r = tCcC[i]
-                if bidx * BM + mm < M:
-                    mLora[kz, bidx * BM + mm, r] = acc[i]
-        if cutlass.const_expr(self.mode == "pg_rowmax"):
-            if m < M and half == 0:
-                red_max_u32(mAux.iterator + m, rowmax)                  # the shuffle gave both halves the same max
+        if cutlass.const_expr(self.one_pass):
+            self.finish_in_cluster(st, rX, mRecipSmooth, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles)
+        else:
+            if cutlass.const_expr(R > 0):
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    mm, r = tCcC[i]
+                    if bidx * BM + mm < M:
+                        mLora[kz, bidx * BM + mm, r] = acc[i]
+            if cutlass.const_expr(self.mode == "pg_rowmax"):
+                if m < M and half == 0:
+                    red_max_u32(mAux.iterator + m, rowmax)              # the shuffle gave both halves the same max
 
     @cute.jit
     def load(self, tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0):
@@ -414,3 +432,80 @@ class RowCodes:
             out.store(acc.load().to(mLoraAct.element_type))
             cute.copy(copy_16b(mLoraAct.element_type), out, gO[(0, None), (row, c)])
 
+
+# %% ../../nbs/08a_quant.ipynb #661c9860
+@dsl_user_op
+def ld_cluster_f32(addr, rank, *, loc=None, ip=None):
+    "The float32 at shared-memory address `addr` (this CTA's, as an Int32) in cluster CTA `rank`'s copy (`mapa`, `ld.shared::cluster`)."
+    return cutlass.Float32(llvm.inline_asm(
+        T.f32(), [cutlass.Int32(addr).ir_value(loc=loc, ip=ip), cutlass.Int32(rank).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.f32 $0, [ra]; }", "=f,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+def cluster_sync():
+    "Every thread of every CTA of the cluster arrives (release) and waits (acquire): shared memory written before is visible after."
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+
+@patch
+@cute.jit
+def finish_in_cluster(self: QuantLoraDown, st, rX, mRecipSmooth, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles):
+    """One pass (mode int4_pg or int8), after the K-loop: the row maxima and the LoRA partials reduced across the
+    cluster through distributed shared memory, then this CTA's codes from the x it holds, the rows' `base` and this
+    CTA's rows of `lora_act`."""
+    BM, RL, ks = self.tile_m, max(self.rank, 16), self.k_splits
+    mCodes, mBase, mLoraAct = outs
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, kz, _ = cute.arch.block_idx()
+    M = cute.size(mCodes, mode=[0])
+    red = st.red.get_tensor(cute.make_layout((BM,)))
+    part = cute.make_tensor(cute.recast_ptr(st.w.data_ptr(), dtype=cutlass.Float32), cute.make_layout((BM, RL), stride=(RL, 1)))
+    if half == 0:
+        red[m_local] = rowmax                                           # the shuffle gave both halves the same max
+    if cutlass.const_expr(self.rank > 0):
+        for i in cutlass.range_constexpr(cute.size(acc)):               # the ring's bytes: every wgmma has been waited on
+            mm, r = tCcC[i]
+            part[mm, r] = acc[i]
+    cluster_sync()
+    row_max = cutlass.Float32(0.0)
+    for s in cutlass.range(ks, unroll=1):
+        row_max = cute.arch.fmax(row_max, ld_cluster_f32(red.iterator.toint() + 4 * m_local, s))
+    base = row_base(row_max, self.mode == "int4_pg")
+    if cutlass.const_expr(self.rank > 0):
+        self.lora_rows(part, mLoraAct, bidx, kz, M)
+    m = bidx * BM + m_local
+    gC = cute.zipped_divide(mCodes, (1, 4))                             # ((1, 4), (M, K/16)): 16 bytes of codes
+    for j in cutlass.range(k_tiles, unroll=1):
+        xs, amax = self.load_group(rX, mRecipSmooth, m_local, half, j, k0 + j)
+        u, recip = group_scale(amax, base, self.mode == "int4_pg")
+        words = cute.make_rmem_tensor((8,), cutlass.Int32)
+        pack_int8(xs, recip, u, words, self.mode == "int4_pg")
+        wv = cute.zipped_divide(words, (4,))                            # ((4), (2)): two 16-byte stores
+        if m < M:
+            for c in cutlass.range_constexpr(2):
+                cute.autovec_copy(wv[None, c], gC[(0, None), (m, (k0 + j) * 4 + 2 * half + c)])
+    if m < M and kz == 0 and half == 0:
+        mBase[m] = base
+    cluster_sync()                                                      # no CTA leaves while the cluster reads it
+
+@patch
+@cute.jit
+def lora_rows(self: QuantLoraDown, part, mLoraAct, bidx, kz, M):
+    """CTA `kz`'s rows of the row tile's `lora_act`: rows `kz, kz + k_splits, ...`, eight `r` per thread, each the sum
+    of the cluster's partials in CTA order, rounded once."""
+    BM, RL, ks = self.tile_m, max(self.rank, 16), self.k_splits
+    tidx, _, _ = cute.arch.thread_idx()
+    per_row = RL // VEC
+    rows = (BM + ks - 1) // ks
+    gO = cute.zipped_divide(mLoraAct, (1, VEC))                          # ((1, VEC), (M, R/VEC))
+    for it in cutlass.range(tidx, rows * per_row, self.threads, unroll=1):
+        mm, c = kz + ks * (it // per_row), it % per_row
+        if mm < BM and bidx * BM + mm < M:
+            acc8 = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            acc8.fill(0.0)
+            for s in cutlass.range(ks, unroll=1):
+                for e in cutlass.range_constexpr(VEC):
+                    acc8[e] = acc8[e] + ld_cluster_f32(part.iterator.toint() + 4 * (mm * RL + c * VEC + e), s)
+            out = cute.make_rmem_tensor((VEC,), mLoraAct.element_type)
+            out.store(acc8.load().to(mLoraAct.element_type))
+            cute.copy(copy_16b(mLoraAct.element_type), out, gO[(0, None), (bidx * BM + mm, c)])

@@ -1,0 +1,59 @@
+"""Time the int4_pg activation side at M = 4352 in one pass (`gemm.quantize_rows_one_pass`, a cluster per row tile,
+at every cluster that fits) against the two passes (`gemm.quantize_lora_down`), as CUDA-graph replays with the copy
+bandwidth of the same run, check that both write the same codes and bases, and save a record.
+
+    python tools/one_pass.py --out nbs/data/activation_one_pass_h200.json
+"""
+import argparse, sys
+from pathlib import Path
+
+SHAPES = ((4352, 3840), (4352, 10240), (4352, 15360))
+
+
+def one_pass_bytes(M: int, K: int, R: int, elt: int = 2) -> int:
+    "Bytes one pass moves, counted as `bench.layer.activation_bytes` counts each pass: x and smooth in, codes, bases and lora_act out, lora_downᵀ in."
+    return M * K * elt + K * elt + M * K + 4 * M + ((M * R * elt + R * K * elt) if R else 0)
+
+
+def main(argv=None):
+    "Measure, print and save the record."
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=50)
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import torch
+    from w4a4_book import gemm
+    from w4a4_book.bench.layer import _activation_inputs, activation_bytes, copy_bandwidth
+    from w4a4_book.bench.timing import time_cuda
+    from w4a4_book.kernels.sm90_quant import QuantLoraDown
+    from w4a4_book.records import provenance, save_record
+    copy, rows, R = copy_bandwidth(), [], a.rank
+    for M, K in SHAPES:
+        x, smooth, ldt = _activation_inputs(M, K, R)
+        act, lora_act = gemm.quantize_lora_down(x, smooth, ldt, fmt="int4_pg")
+        splits = gemm.k_splits(-(-M // 64), K // 64, gemm.sm_count(torch.cuda.current_device()))
+        runs = [("two_pass", None, lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt="int4_pg"), activation_bytes(M, K, R, "int4_pg", splits))]
+        for c in range(2, QuantLoraDown.MAX_CLUSTER + 1):
+            if (K // 64) % c == 0 and gemm.one_pass_smem(K, R, c) <= gemm.SMEM_PER_BLOCK:
+                runs.append(("one_pass", c, lambda c=c: gemm.quantize_rows_one_pass(x, smooth, ldt, fmt="int4_pg", cluster=c),
+                             one_pass_bytes(M, K, R)))
+        for method, c, call, nbytes in runs:
+            out = call()
+            same = True if c is None else bool(torch.equal(out[0], act.data) and torch.equal(out[1], act.base))
+            t = time_cuda(call, warmup=10, iters=a.iters, graph=True)
+            bw = nbytes / (t["median_ms"] * 1e-3)
+            rows.append(dict(method=method, fmt="int4_pg", M=M, K=K, R=R, cluster=c, k_splits=splits if c is None else c,
+                             bytes=nbytes, **t, timing="graph", bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy,
+                             same_codes=same))
+            print(f"{M}x{K} {method} cluster {c}: {t['median_ms'] * 1e3:.1f} us, {bw / 1e12:.2f} TB/s = {bw / copy:.0%} of copy"
+                  f"{'' if same else ', CODES DIFFER'}", flush=True)
+    command = f"python tools/one_pass.py --out nbs/data/{a.out.name}" + (f" --rank {R}" if R != 32 else "") + \
+              (f" --iters {a.iters}" if a.iters != 50 else "")
+    prov = provenance(command, [list(s) for s in SHAPES], kind="activation_one_pass", rank=R)
+    print(f"saved {save_record(a.out, prov, rows)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
