@@ -6,7 +6,7 @@ import torch
 
 from w4a4_book import gemm
 from w4a4_book.operands import check_quant_inputs
-from w4a4_book.kernels.sm90_quant import G, MAX_RANK, VEC, RowCodes
+from w4a4_book.kernels.sm90_quant import G, MAX_RANK, VEC, QuantLoraDown, RowCodes
 from w4a4_book.formats import quantize, reciprocal
 
 
@@ -211,6 +211,9 @@ def test_one_pass_smem_is_the_kernels_and_bad_clusters_are_refused():
         assert "mapa.shared::cluster" in ptx and "barrier.cluster.arrive" in ptx and not re.search(r"div\.approx", ptx)
         assert smem == gemm.one_pass_smem(K, R, c), (K, R, c, smem)
     assert (gemm.one_pass_cluster(3840, 32), gemm.one_pass_cluster(15360, 32), gemm.one_pass_cluster(10240, 128)) == (4, 15, None)
+    assert gemm.compile_quant(M=4352, K=3840, R=32, k_splits=10, mode="pg_rowmax")[1] == 50176   # two passes: no cluster, no maxima
+    with pytest.raises(ValueError, match="one pass holds all K/64=60 K-blocks"):
+        gemm.compile_quant(M=4352, K=3840, R=32, k_splits=10, mode="pg_rowmax") and QuantLoraDown(32, 5, True, 10, mode="int4_pg").make_storage(None, None, None, 3840)
     x = bf16(64, 3840)
     for bad in (7, 1, 32, 2):                                        # 7 ∤ 60; 1 and 32 outside [2, 16]; 2: 30 K-blocks do not fit
         with pytest.raises(ValueError, match="cluster: "):

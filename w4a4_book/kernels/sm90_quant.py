@@ -97,6 +97,19 @@ class QuantLoraDown:
             raise ValueError(f"k_splits={k_splits}, stages={stages}: one pass holds a cluster of at most "
                              f"{self.MAX_CLUSTER} CTAs, each with all (at least two) of its K-blocks")
 
+    def make_storage(self, dt, x_l, w_l, K: int):
+        """The shared storage: the ring's barriers and stages of x and lora_downᵀ, and in one pass the CTA's 64 row
+        maxima. NOTES: plain Python, called while tracing: inside the traced `__call__` an `if` would be traced too."""
+        S = self.stages
+        if self.one_pass and S * self.k_splits != K // G:
+            raise ValueError(f"stages={S}, k_splits={self.k_splits}: one pass holds all K/64={K // G} K-blocks of a row tile")
+        fields = dict(full=cute.struct.MemRange[cutlass.Int64, S], empty=cute.struct.MemRange[cutlass.Int64, S],
+                      x=cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(x_l)], 1024],
+                      w=cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(w_l)], 1024])
+        if self.one_pass:
+            fields["red"] = cute.struct.MemRange[cutlass.Float32, self.tile_m]
+        return cute.struct(type("Storage", (), {"__annotations__": fields}))
+
     def m_modes(self) -> tuple:
         "Each argument's mode of extent M, in `__call__`'s order (None: none): M is a run-time value of the compiled kernel."
         if self.one_pass:
@@ -124,17 +137,8 @@ class QuantLoraDown:
                                                 cute.nvgpu.warpgroup.OperandMajorMode.K, cutlass.Float32,
                                                 (1, 1, 1), tiler_mn=(BM, RL))
 
-        @cute.struct
-        class Storage:
-            full: cute.struct.MemRange[cutlass.Int64, S]
-            empty: cute.struct.MemRange[cutlass.Int64, S]
-            x: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(x_l)], 1024]
-            w: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(w_l)], 1024]
-            red: cute.struct.MemRange[cutlass.Float32, BM if self.one_pass else 1]   # one pass: this CTA's row maxima
-        self.storage = Storage
+        self.storage = self.make_storage(dt, x_l, w_l, cute.size(mX, mode=[1]))
         self.tx = (BM + R) * G * dt.width // 8                             # bytes that land in one stage
-        if self.one_pass:
-            assert S * self.k_splits == cute.size(mX, mode=[1]) // G, "one pass: each CTA holds all of its K-blocks"
         M = cute.size(mX, mode=[0])
         self.kernel(QuantLoads(tma_x, gX, tma_w, gW), mRecipSmooth, QuantOutputs(mCodes, mAux, mLora), mma, x_l, w_l).launch(
             grid=((M + BM - 1) // BM, self.k_splits, 1), block=[self.threads, 1, 1],
