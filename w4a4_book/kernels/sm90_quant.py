@@ -141,8 +141,8 @@ class QuantLoraDown:
         self.tx = (BM + R) * G * dt.width // 8                             # bytes that land in one stage
         M = cute.size(mX, mode=[0])
         self.kernel(QuantLoads(tma_x, gX, tma_w, gW), mRecipSmooth, QuantOutputs(mCodes, mAux, mLora), mma, x_l, w_l).launch(
-            grid=((M + BM - 1) // BM, self.k_splits, 1), block=[self.threads, 1, 1],
-            cluster=[1, self.k_splits if self.one_pass else 1, 1], stream=stream)
+            grid=((M + BM - 1) // BM, self.k_splits, 1), block=[self.threads, 1, 1], stream=stream,
+            **({"cluster": [1, self.k_splits, 1]} if self.one_pass else {}))        # two passes: no cluster
 
     @cute.kernel
     def kernel(self, loads, mRecipSmooth, outs, mma: cute.TiledMma, x_l, w_l):
