@@ -93,31 +93,43 @@ def test_k_splits_fill_the_gpu():
     assert gemm.k_splits(300, 60, 132) == 2       # 300 row tiles, four CTAs per SM wanted: 2 shares
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["int4_pg", "int8"])
-@pytest.mark.parametrize("M, K, R, dt, smooth", CASES)
-def test_int8_lanes_exact_against_quantize(fmt, M, K, R, dt, smooth):
-    "The two-pass activation kernel writes `quantize(x / smooth, fmt)` bit for bit: the int8 lanes and every row's base."
-    g = torch.Generator(device="cuda").manual_seed(M + K + R + 1)
+def int8_lane_case(M, K, R, dt, smooth, seed):
+    "Seeded GPU inputs of the int8-lane activation tests: `(x, smooth, lora_down)`, with an outlier channel and an all-zero row."
+    g = torch.Generator(device="cuda").manual_seed(M + K + R + seed)
     x = (torch.randn(M, K, device="cuda", generator=g) * 3).to(dt)
     x[:, 5] *= 40                                                    # an outlier channel
     x[min(3, M - 1)] = 0                                             # an all-zero row: base 0, u 1, codes 0
     lam = (torch.rand(K, device="cuda", generator=g) + 0.5).to(dt) if smooth else None
     down = (torch.randn(K, R, device="cuda", generator=g) / K ** 0.5).to(dt) if R else None
-    act, lora_act = gemm.quantize_lora_down(x, lam, down.T.contiguous() if R else None, fmt=fmt)
+    return x, lam, down
+
+
+def check_int8_lanes(codes, base, lora_act, x, lam, down, fmt):
+    "`codes` and `base` are `quantize(x / smooth, fmt)`'s bit for bit; `lora_act` is `x @ lora_down` to its rounding."
     torch.cuda.synchronize()
-    xs = x.float() * reciprocal(lam.float()) if smooth else x.float()
+    xs = x.float() * reciprocal(lam.float()) if lam is not None else x.float()
     ref = quantize(xs, fmt)
     ref8 = ref.as_int8() if fmt == "int4_pg" else ref
-    assert act.fmt == fmt and act.packing == "int8"
-    bad = (act.base != ref8.base).nonzero()
+    bad = (base != ref8.base).nonzero()
     assert not len(bad), f"{len(bad)} bases differ, first rows {bad[:4].flatten().tolist()}"
-    bad = (act.data != ref8.data).nonzero()
+    bad = (codes != ref8.data).nonzero()
     assert not len(bad), f"{len(bad)} codes differ, first (row, k): {bad[:4].tolist()}"
-    if R:
+    assert (lora_act is None) == (down is None)
+    if down is not None:
         want = x.float() @ down.float()
-        ulp = 2.0 ** -7 if dt == torch.bfloat16 else 2.0 ** -10
+        ulp = 2.0 ** -7 if x.dtype == torch.bfloat16 else 2.0 ** -10
         assert ((lora_act.float() - want).abs() <= ulp * want.abs() + 2.0 ** -16 * want.abs().max()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4_pg", "int8"])
+@pytest.mark.parametrize("M, K, R, dt, smooth", CASES)
+def test_int8_lanes_exact_against_quantize(fmt, M, K, R, dt, smooth):
+    "The two-pass activation kernel writes `quantize(x / smooth, fmt)` bit for bit: the int8 lanes and every row's base."
+    x, lam, down = int8_lane_case(M, K, R, dt, smooth, 1)
+    act, lora_act = gemm.quantize_lora_down(x, lam, down.T.contiguous() if R else None, fmt=fmt)
+    assert act.fmt == fmt and act.packing == "int8"
+    check_int8_lanes(act.data, act.base, lora_act, x, lam, down, fmt)
 
 
 @pytest.mark.parametrize("mode", ["pg_rowmax", "int4_pg", "int8"])
@@ -180,27 +192,12 @@ ONE_PASS_CASES = [  # M (tails included), K, R, dtype, smooth, cluster
 @pytest.mark.parametrize("M, K, R, dt, smooth, cluster", ONE_PASS_CASES)
 def test_one_pass_exact_against_quantize(fmt, M, K, R, dt, smooth, cluster):
     "The one-pass kernel (a cluster per row tile) writes `quantize(x / smooth, fmt)` bit for bit, and lora_act to its rounding."
-    g = torch.Generator(device="cuda").manual_seed(M + K + R + 2)
-    x = (torch.randn(M, K, device="cuda", generator=g) * 3).to(dt)
-    x[:, 5] *= 40                                                    # an outlier channel
-    x[min(3, M - 1)] = 0                                             # an all-zero row: base 0, u 1, codes 0
-    lam = (torch.rand(K, device="cuda", generator=g) + 0.5).to(dt) if smooth else None
-    down = (torch.randn(K, R, device="cuda", generator=g) / K ** 0.5).to(dt) if R else None
-    codes, base, lora_act = gemm.quantize_rows_one_pass(x, lam, down.T.contiguous() if R else None, fmt=fmt, cluster=cluster)
-    torch.cuda.synchronize()
-    xs = x.float() * reciprocal(lam.float()) if smooth else x.float()
-    ref = quantize(xs, fmt)
-    ref8 = ref.as_int8() if fmt == "int4_pg" else ref
-    bad = (base != ref8.base).nonzero()
-    assert not len(bad), f"{len(bad)} bases differ, first rows {bad[:4].flatten().tolist()}"
-    bad = (codes != ref8.data).nonzero()
-    assert not len(bad), f"{len(bad)} codes differ, first (row, k): {bad[:4].tolist()}"
-    assert (lora_act is None) == (R == 0)
+    x, lam, down = int8_lane_case(M, K, R, dt, smooth, 2)
+    ldt = down.T.contiguous() if R else None
+    codes, base, lora_act = gemm.quantize_rows_one_pass(x, lam, ldt, fmt=fmt, cluster=cluster)
+    check_int8_lanes(codes, base, lora_act, x, lam, down, fmt)
     if R:
-        want = x.float() @ down.float()
-        ulp = 2.0 ** -7 if dt == torch.bfloat16 else 2.0 ** -10
-        assert ((lora_act.float() - want).abs() <= ulp * want.abs() + 2.0 ** -16 * want.abs().max()).all()
-        again = gemm.quantize_rows_one_pass(x, lam, down.T.contiguous(), fmt=fmt, cluster=cluster)[2]
+        again = gemm.quantize_rows_one_pass(x, lam, ldt, fmt=fmt, cluster=cluster)[2]
         assert torch.equal(again, lora_act)                          # a fixed order of summation: the same every run
 
 
