@@ -317,7 +317,8 @@ def store_kernel(fn, path: str, name: str) -> bool:
             obj, lib = os.path.join(d, "k.o"), os.path.join(d, "k.so")
             fn.export_to_c(obj, function_name=name)
             libs = find_runtime_libraries(enable_tvm_ffi=True)
-            r = subprocess.run([cc, "-shared", "-o", lib, obj, *libs, *{f"-Wl,-rpath,{os.path.dirname(l)}" for l in libs}],
+            rpaths = dict.fromkeys(f"-Wl,-rpath,{os.path.dirname(l)}" for l in libs)    # each folder once, in order
+            r = subprocess.run([cc, "-shared", "-o", lib, obj, *libs, *rpaths],
                                capture_output=True, text=True)
             if r.returncode: raise RuntimeError(r.stderr[-500:])
             os.replace(lib, path)
@@ -579,11 +580,20 @@ def _quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm) -> dict:
     M, K, R = operands.check_quant_inputs(x, smooth, lora_down_t, group_size=G, max_rank=MAX_RANK)
     dev = x.device
     ks = k_splits(-(-M // QuantLoraDown.tile_m), K // G, sm_count(dev.index), ctas_per_sm)
+    sig = (K, R, x.dtype, smooth is not None, stages, ks)   # the kernels are specialised on every shape but M
+    return dict(_weight_side(x, smooth, lora_down_t), ks=ks, sig=sig)
+
+def _weight_side(x, smooth, lora_down_t) -> dict:
+    "`1/smooth` (`sm`) and `lora_downᵀ` (`ldt`) as the activation kernels read them, with stand-ins where absent."
+    K, dev = x.shape[1], x.device
     # the kernel multiplies by the correctly rounded reciprocal, as `quantize`'s rules do (chapter 1)
     sm = derived(smooth, "recip", lambda s: reciprocal(s.float())) if smooth is not None else constant(1.0, (K,), torch.float32, dev)
     ldt = lora_down_t if lora_down_t is not None else constant(0.0, (16, K), x.dtype, dev)
-    sig = (K, R, x.dtype, smooth is not None, stages, ks)   # the kernels are specialised on every shape but M
-    return dict(sm=sm, ldt=ldt, ks=ks, sig=sig)
+    return dict(sm=sm, ldt=ldt)
+
+def _lora_out(M: int, R: int, dtype, dev) -> torch.Tensor:
+    "The activation kernels' `lora_act` `[M, R]`, or at rank 0 a stand-in they never write."
+    return torch.empty(M, R, dtype=dtype, device=dev) if R else constant(0.0, (1, 16), dtype, dev)
 
 def bind_quantize_rows(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM):
     """`quantize_lora_down`'s checks and weight-side tensors for an int8-lane `fmt` (int4_pg, int8), made once for
@@ -605,7 +615,7 @@ def quantize_rows_int8(x, *, sm, ldt, ks, sig, fmt, stages, has_smooth) -> tuple
     _launch_quant(("rowmax", *sig), lambda: QuantLoraDown(R, stages, has_smooth, ks, mode="pg_rowmax"),
                   [x, sm, ldt, codes.view(torch.int32), rowmax, partial])
     base = torch.empty(M, dtype=torch.float32, device=dev)
-    lora_act = torch.empty(M, R, dtype=x.dtype, device=dev) if R else constant(0.0, (1, 16), x.dtype, dev)
+    lora_act = _lora_out(M, R, x.dtype, dev)
     _launch_quant((fmt, *sig), lambda: RowCodes(fmt, has_smooth, R, ks),
                   [x, sm, rowmax.view(torch.float32), codes.view(torch.int32), base, partial, lora_act], ROW_CODES_ARGS)
     return codes, base, (lora_act if R else None)
@@ -640,15 +650,13 @@ def quantize_rows_one_pass(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", c
         fail(ValueError, "cluster", f"{c!r}: must divide K/64={K // G}, lie in [2, {QuantLoraDown.MAX_CLUSTER}] and fit "
                                     f"K/64/cluster K-blocks in {SMEM_PER_BLOCK} bytes of shared memory")
     operands.check_devices({"x": x, "smooth": smooth, "lora_down_t": lora_down_t}, (9, 0), first="x")
-    dev = x.device
-    sm = derived(smooth, "recip", lambda s: reciprocal(s.float())) if smooth is not None else constant(1.0, (K,), torch.float32, dev)
-    ldt = lora_down_t if lora_down_t is not None else constant(0.0, (16, K), x.dtype, dev)
+    dev, w = x.device, _weight_side(x, smooth, lora_down_t)
     codes = torch.empty(M, K, dtype=torch.int8, device=dev)
     base = torch.empty(M, dtype=torch.float32, device=dev)
-    lora_act = torch.empty(M, R, dtype=x.dtype, device=dev) if R else constant(0.0, (1, 16), x.dtype, dev)
+    lora_act = _lora_out(M, R, x.dtype, dev)
     key = ("one pass", fmt, K, R, x.dtype, smooth is not None, c)
     _launch_quant(key, lambda: QuantLoraDown(R, K // G // c, smooth is not None, c, mode=fmt),
-                  [x, sm, ldt, codes.view(torch.int32), base, lora_act], ONE_PASS_ARGS)
+                  [x, w["sm"], w["ldt"], codes.view(torch.int32), base, lora_act], ONE_PASS_ARGS)
     return codes, base, (lora_act if R else None)
 
 ONE_PASS_ARGS = ("x", "recip_smooth", "lora_down_t", "codes", "base", "lora_act")   # the one-pass kernel's tensors, in order
