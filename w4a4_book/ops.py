@@ -218,8 +218,11 @@ def bound_linear(args: list) -> Optional[torch.Tensor]:
     reference backend, a layer of inference tensors, an empty batch, an activation format outside
     `BOUND_ACT_FORMATS`, a kernel compiled per M. NOTES: a plan holds no reference to `qweight_data` (the kernel reads
     its prepacked copy), so the weak reference `kept` keeps can die."""
-    x, stamp = args[0], _stamp(args)
-    if stamp is None or x.shape[0] == 0 or args[11] not in BOUND_ACT_FORMATS or args[12] == "reference":
+    x = args[0]
+    if x.shape[0] == 0 or args[11] not in BOUND_ACT_FORMATS or args[12] == "reference":
+        return None                # decided before the stamp: an unbound call pays for neither
+    stamp = _stamp(args)
+    if stamp is None:
         return None
     plans, key = gemm.kept(args[1]).setdefault("bound linear", {}), (x.shape[0], x.dtype, x.device)
     plan = plans.get(key)
