@@ -1,4 +1,4 @@
-"""Time the int4_pg activation side at M = 4352 in one pass (`gemm.quantize_rows_one_pass`, a cluster per row tile,
+"""Time the int8-lane activation side (int4_pg and int8) at M = 256 and 4352 in one pass (`gemm.quantize_rows_one_pass`, a cluster per row tile,
 at every cluster that fits) against the two passes (`gemm.quantize_lora_down`), as CUDA-graph replays with the copy
 bandwidth of the same run, check that both write the same codes and bases, and save a record.
 
@@ -7,7 +7,8 @@ bandwidth of the same run, check that both write the same codes and bases, and s
 import argparse, sys
 from pathlib import Path
 
-SHAPES = ((4352, 3840), (4352, 10240), (4352, 15360))
+SHAPES = tuple((M, K) for M in (256, 4352) for K in (3840, 10240, 15360))
+FORMATS = ("int4_pg", "int8")
 
 
 def one_pass_bytes(M: int, K: int, R: int, elt: int = 2) -> int:
@@ -30,33 +31,35 @@ def main(argv=None):
     from w4a4_book.kernels.sm90_quant import QuantLoraDown
     from w4a4_book.records import provenance, save_record
     copy, rows, R, skipped = copy_bandwidth(), [], a.rank, {}
-    for M, K in SHAPES:
+    for (M, K), fmt in ((s, f) for s in SHAPES for f in FORMATS):
         x, smooth, ldt = _activation_inputs(M, K, R)
-        act, lora_act = gemm.quantize_lora_down(x, smooth, ldt, fmt="int4_pg")
+        act, lora_act = gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt)
         splits = gemm.k_splits(-(-M // 64), K // 64, gemm.sm_count(torch.cuda.current_device()))
-        runs = [("two_pass", None, lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt="int4_pg"), activation_bytes(M, K, R, "int4_pg", splits))]
+        runs = [("two_pass", None, lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt), activation_bytes(M, K, R, fmt, splits))]
         for c in range(2, QuantLoraDown.MAX_CLUSTER + 1):
             if (K // 64) % c == 0 and gemm.one_pass_smem(K, R, c) <= gemm.SMEM_PER_BLOCK:
-                runs.append(("one_pass", c, lambda c=c: gemm.quantize_rows_one_pass(x, smooth, ldt, fmt="int4_pg", cluster=c),
+                runs.append(("one_pass", c, lambda c=c: gemm.quantize_rows_one_pass(x, smooth, ldt, fmt=fmt, cluster=c),
                              one_pass_bytes(M, K, R)))
         for method, c, call, nbytes in runs:
+            name = f"{fmt} {M}x{K} {method} cluster {c}"
             try:
                 out = call()
             except Exception as e:              # recorded as skipped, with the reason, and the run goes on
-                skipped[f"{M}x{K} cluster {c}"] = f"{type(e).__name__}: {e}"[:300]
-                print(f"{M}x{K} {method} cluster {c}: skipped: {skipped[f'{M}x{K} cluster {c}']}", flush=True)
+                skipped[name] = f"{type(e).__name__}: {e}"[:300]
+                print(f"{name}: skipped: {skipped[name]}", flush=True)
                 continue
-            same = True if c is None else bool(torch.equal(out[0], act.data) and torch.equal(out[1], act.base))
+            same = True if c is None else bool(torch.equal(out[0], act.data) and torch.equal(out[1], act.base)
+                                               and (lora_act is None or torch.equal(out[2], lora_act)))
             t = time_cuda(call, warmup=10, iters=a.iters, graph=True)
             bw = nbytes / (t["median_ms"] * 1e-3)
-            rows.append(dict(method=method, fmt="int4_pg", M=M, K=K, R=R, cluster=c, k_splits=splits if c is None else c,
+            rows.append(dict(method=method, fmt=fmt, M=M, K=K, R=R, cluster=c, k_splits=splits if c is None else c,
                              bytes=nbytes, **t, timing="graph", bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy,
                              same_codes=same))
-            print(f"{M}x{K} {method} cluster {c}: {t['median_ms'] * 1e3:.1f} us, {bw / 1e12:.2f} TB/s = {bw / copy:.0%} of copy"
+            print(f"{name}: {t['median_ms'] * 1e3:.1f} us, {bw / 1e12:.2f} TB/s = {bw / copy:.0%} of copy"
                   f"{'' if same else ', CODES DIFFER'}", flush=True)
     command = f"python tools/one_pass.py --out nbs/data/{a.out.name}" + (f" --rank {R}" if R != 32 else "") + \
               (f" --iters {a.iters}" if a.iters != 50 else "")
-    prov = provenance(command, [list(s) for s in SHAPES], kind="activation_one_pass", rank=R, skipped=skipped)
+    prov = provenance(command, [list(s) for s in SHAPES], kind="activation_one_pass", rank=R, formats=list(FORMATS), skipped=skipped)
     print(f"saved {save_record(a.out, prov, rows)}")
 
 

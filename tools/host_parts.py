@@ -1,0 +1,80 @@
+"""Measure where the host time of an eager `W4A4Linear` forward goes on this machine, part by part, and save a record:
+the whole forward, the bound op (`ops.bound_linear`), the bound plan, its activation side, its GEMM launch alone, and
+the torch primitives a forward pays for (an allocation, a zeroed buffer, an empty module call).
+
+    python tools/host_parts.py --out nbs/data/host_parts_h200.json
+"""
+import argparse, sys, time
+from pathlib import Path
+
+SHAPES = ((256, 3840, 3072),)           # (M, K, N): host time does not depend on M; a small M keeps the GPU ahead
+LAYERS = (("int4_pg", None), ("int4_pg", "int8"))   # (weights' fmt, act_fmt): the formats whose op binds
+
+
+def host_us(fn, iters: int, sync_every: int = 8) -> dict:
+    """Median, p10 and p90 host µs per call of `fn()`. The GPU is synchronised every `sync_every` calls, outside the
+    times, so that a full launch queue never makes a call wait."""
+    import torch
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for i in range(iters):
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append((time.perf_counter_ns() - t0) / 1e3)
+        if i % sync_every == sync_every - 1:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    ts.sort()
+    return dict(median_us=ts[len(ts) // 2], p10_us=ts[len(ts) // 10], p90_us=ts[9 * len(ts) // 10], n=len(ts))
+
+
+def parts(layer, x) -> dict:
+    "The calls timed for one layer and input: name -> function of no arguments."
+    import torch
+    from w4a4_book import gemm, ops
+    layer(x)
+    args = layer.op_args(x, "sm90")
+    plan = gemm.kept(layer.qweight_data)["bound linear"][(x.shape[0], x.dtype, x.device)]
+    codes, base, lora_act = plan.quantize(x)
+    out = torch.empty(plan.shape, dtype=plan.dtype, device=x.device)
+    ident = torch.nn.Identity()
+    return {"forward": lambda: layer(x), "op_args": lambda: layer.op_args(x, "sm90"),
+            "bound_linear": lambda: ops.bound_linear(args), "plan": lambda: plan(x),
+            "activation side": lambda: plan.quantize(x), "gemm launch": lambda: plan._launch(codes, base, lora_act, out),
+            "torch.empty": lambda: torch.empty(x.shape, dtype=torch.int8, device=x.device),
+            "torch.zeros": lambda: torch.zeros(x.shape[0], dtype=torch.int32, device=x.device),
+            "nn.Identity call": lambda: ident(x)}
+
+
+def main(argv=None):
+    "Measure, print and save the record."
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=2000)
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import torch
+    from w4a4_book.layers import W4A4Linear
+    from w4a4_book.records import provenance, save_record
+    rows, dev = [], torch.device("cuda")
+    for M, K, N in SHAPES:
+        torch.manual_seed(0)
+        lin, x = torch.nn.Linear(K, N, device=dev), torch.randn(M, K, device=dev).bfloat16()
+        for fmt, act_fmt in LAYERS:
+            layer = W4A4Linear.from_linear(lin, rank=a.rank, dtype=torch.bfloat16, backend="sm90", fmt=fmt, act_fmt=act_fmt)
+            with torch.no_grad():
+                for part, fn in parts(layer, x).items():
+                    t = host_us(fn, a.iters)
+                    rows.append(dict(part=part, fmt=fmt, act_fmt=act_fmt or fmt, M=M, K=K, N=N, R=a.rank, **t))
+                    print(f"{fmt}/{act_fmt or fmt} M={M}: {part:16s} {t['median_us']:7.2f} us", flush=True)
+    command = f"python tools/host_parts.py --out nbs/data/{a.out.name}" + (f" --rank {a.rank}" if a.rank != 32 else "") + \
+              (f" --iters {a.iters}" if a.iters != 2000 else "")
+    prov = provenance(command, [list(s) for s in SHAPES], kind="host_parts", rank=a.rank)
+    print(f"saved {save_record(a.out, prov, rows)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
