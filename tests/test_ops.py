@@ -513,3 +513,45 @@ def test_the_op_itself_binds(stubbed_sm90):
         torch.ops.w4a4.linear(*args)
         layer(x)
     assert [l.names[0] for l in stubbed_sm90[n:]] == ["x", "x", "act"] * 2 and list(bound_plans(layer).values()) == [plan]
+
+
+def test_the_activation_side_lives_in_a_workspace_per_thread_and_stream(stubbed_sm90):
+    """A bound forward writes the activation side (row maxima, LoRA partials, codes, bases, lora_act) into one buffer
+    kept per thread and stream, the same on every call and shared by layers; the public `bind_quantize_rows` returns
+    new codes each call; another thread gets its own buffer."""
+    import threading
+    layer, x = sm90_layer("int4_pg", M=16)
+    other, _ = sm90_layer("int4_pg", M=16, N=128)
+    def ptrs():                               # the activation passes' tensors of the last forward
+        return [t.data_ptr() for l in stubbed_sm90[-3:-1] for t in l[3:]]
+    with torch.no_grad():
+        layer(x)
+        n = len(stubbed_sm90)
+        layer(x)
+        first = ptrs()
+        layer(x)
+        assert ptrs() == first and len(stubbed_sm90) == n + 6          # the same buffers, no new launch
+        other(x)
+        assert ptrs() == first                                         # another layer of the same shapes shares them
+        gemm_codes = stubbed_sm90[-1][0]
+        assert gemm_codes.data_ptr() == stubbed_sm90[-3][3].data_ptr()  # the GEMM reads the codes the passes wrote
+        rows = gemm.bind_quantize_rows(x, layer.smooth, None, fmt="int4_pg")
+        a, b = rows(x), rows(x)
+        assert a[0].data_ptr() != b[0].data_ptr() and a[0].shape == (16, 512) and a[0].dtype == torch.int8
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(gemm.stream_workspace(x.device, 64).data_ptr()))
+        t.start(); t.join()
+        assert seen[0] != gemm.stream_workspace(x.device, 64).data_ptr()
+
+
+def test_a_workspace_grows_and_its_old_views_are_not_reused(stubbed_sm90):
+    "A larger request replaces the thread's buffer; a plan's views of the old buffer are made again on the new one."
+    layer, x = sm90_layer("int4_pg", M=16)
+    with torch.no_grad():
+        layer(x)
+        before = stubbed_sm90[-1][0].data_ptr()
+        big = gemm.stream_workspace(x.device, 1 << 22)
+        layer(x)
+    (plan,) = bound_plans(layer).values()
+    assert stubbed_sm90[-1][0].data_ptr() == big.data_ptr() + plan.quantize.offsets[-2]        # codes: the last buffer
+    assert before != stubbed_sm90[-1][0].data_ptr()

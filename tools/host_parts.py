@@ -42,7 +42,7 @@ def parts(layer, x) -> dict:
     ident = torch.nn.Identity()
     return {"forward": lambda: layer(x), "op_args": lambda: layer.op_args(x, "sm90"),
             "bound_linear": lambda: ops.bound_linear(args), "plan": lambda: plan(x),
-            "activation side": lambda: plan.quantize(x), "gemm launch": lambda: plan._launch(codes, base, lora_act, out),
+            "activation side": lambda: plan.quantize(x, workspace=True), "gemm launch": lambda: plan._launch(codes, base, lora_act, out),
             "torch.empty": lambda: torch.empty(x.shape, dtype=torch.int8, device=x.device),
             "torch.zeros": lambda: torch.zeros(x.shape[0], dtype=torch.int32, device=x.device),
             "nn.Identity call": lambda: ident(x)}

@@ -6,8 +6,11 @@
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, fields, replace
 from importlib import import_module
@@ -30,8 +33,8 @@ __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FI
            'CompileReport', 'compile_launchable', 'compile_on_fakes', 'example_problem', 'compile_kernel',
            'kernel_cache_dir', 'cache_name', 'store_kernel', 'launchable', 'compiled_kernel', 'kept', 'derived',
            'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4', 'compile_arguments', 'compile_command', 'sm_count',
-           'k_splits', 'quant_specs', 'constant', 'quantize_lora_down', 'bind_quantize_rows', 'quantize_rows_int8',
-           'one_pass_smem', 'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
+           'k_splits', 'quant_specs', 'constant', 'quantize_lora_down', 'stream_workspace', 'BoundRows',
+           'bind_quantize_rows', 'one_pass_smem', 'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -560,8 +563,8 @@ def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=A
     int4_pg and int8 (activations as int8, a float32 `base` per row) are two passes over `x`: the row maxima (with the
     LoRA partials), then the codes and bases (with the partials' sum)."""
     from w4a4_book.kernels.sm90_quant import QuantLoraDown, G
-    launch = dict(_quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm), has_smooth=smooth is not None)
     if fmt == "int4":
+        launch = _quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm)
         M, K, R, ks = x.shape[0], x.shape[1], launch["sig"][1], launch["ks"]
         data = torch.empty(M, K // 2, dtype=torch.uint8, device=x.device)
         scales = torch.empty(K // G, M, dtype=x.dtype, device=x.device)
@@ -569,7 +572,7 @@ def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=A
         _launch_quant(("quant", *launch["sig"]), lambda: QuantLoraDown(R, stages, smooth is not None, ks),
                       [x, launch["sm"], launch["ldt"], data.view(torch.int32), scales, partial])
         return QTensor(data, scales, "int4"), (partial.sum(0).to(x.dtype) if R else None)
-    codes, base, lora_act = quantize_rows_int8(x, fmt=fmt, stages=stages, **launch)
+    codes, base, lora_act = BoundRows(x, smooth, lora_down_t, fmt=fmt, stages=stages, ctas_per_sm=ctas_per_sm)(x)
     return QTensor.trusted(codes, None, fmt, base=base), lora_act      # the codes are checked by the kernel's tests
 
 def _quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm) -> dict:
@@ -595,30 +598,97 @@ def _lora_out(M: int, R: int, dtype, dev) -> torch.Tensor:
     "The activation kernels' `lora_act` `[M, R]`, or at rank 0 a stand-in they never write."
     return torch.empty(M, R, dtype=dtype, device=dev) if R else constant(0.0, (1, 16), dtype, dev)
 
-def bind_quantize_rows(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM):
-    """`quantize_lora_down`'s checks and weight-side tensors for an int8-lane `fmt` (int4_pg, int8), made once for
-    `x`'s shape and dtype: a function of `x` alone (any tensor of that shape, dtype and device, contiguous) that runs
-    both passes and returns `(codes, base, lora_act)`, `lora_act` None without `lora_down_t`."""
-    if fmt == "int4": fail(ValueError, "fmt", "'int4': bind_quantize_rows binds the int8-lane formats; call quantize_lora_down")
-    launch = _quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm)
-    return functools.partial(quantize_rows_int8, fmt=fmt, stages=stages, has_smooth=smooth is not None, **launch)
+_WORKSPACES = threading.local()      # per thread: (device, stream) → a byte buffer, kept and grown as needed
 
-def quantize_rows_int8(x, *, sm, ldt, ks, sig, fmt, stages, has_smooth) -> tuple:
-    """The two passes of the int8-lane formats on checked inputs (`_quant_setup`'s): the row maxima and the LoRA
-    partials (`QuantLoraDown`, mode `pg_rowmax`), then the codes, each row's `base` and the partials' sum
-    (`RowCodes`). Returns `(codes, base, lora_act)`, `lora_act` None at rank 0."""
-    from w4a4_book.kernels.sm90_quant import QuantLoraDown, RowCodes
-    M, K, R, dev = x.shape[0], x.shape[1], sig[1], x.device
-    partial = torch.empty(ks, M, max(R, 16), dtype=torch.float32, device=dev)
-    rowmax = torch.zeros(M, dtype=torch.int32, device=dev)                 # bits of max |x * (1/smooth)|, raised by red.max
-    codes = torch.empty(M, K, dtype=torch.int8, device=dev)
-    _launch_quant(("rowmax", *sig), lambda: QuantLoraDown(R, stages, has_smooth, ks, mode="pg_rowmax"),
-                  [x, sm, ldt, codes.view(torch.int32), rowmax, partial])
-    base = torch.empty(M, dtype=torch.float32, device=dev)
-    lora_act = _lora_out(M, R, x.dtype, dev)
-    _launch_quant((fmt, *sig), lambda: RowCodes(fmt, has_smooth, R, ks),
-                  [x, sm, rowmax.view(torch.float32), codes.view(torch.int32), base, partial, lora_act], ROW_CODES_ARGS)
-    return codes, base, (lora_act if R else None)
+def stream_workspace(dev, nbytes: int) -> Optional[torch.Tensor]:
+    """A uint8 buffer of at least `nbytes` on `dev`, one per thread and current CUDA stream, kept and grown as needed,
+    for intermediates no caller keeps; None under a CUDA-graph capture (a graph owns its buffers). NOTES: a stream runs
+    its kernels in the order they were enqueued, and one thread enqueues its calls in order, so one call's kernels have
+    read the buffer before the next call's kernels write it; two threads on one stream interleave, hence per thread."""
+    cuda = dev.type == "cuda"
+    if cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    spaces = getattr(_WORKSPACES, "spaces", None)
+    if spaces is None:
+        spaces = _WORKSPACES.spaces = {}
+    key = (dev, torch._C._cuda_getCurrentRawStream(dev.index) if cuda else 0)
+    buf = spaces.get(key)
+    if buf is None or buf.numel() < nbytes:
+        with torch.inference_mode(False):      # views of it are written in and out of inference mode
+            buf = spaces[key] = torch.empty(nbytes, dtype=torch.uint8, device=dev)   # the old one's kernels precede on this stream
+    return buf
+
+class BoundRows:
+    """`quantize_lora_down` for an int8-lane `fmt` (int4_pg, int8), checked and compiled once for `x`'s shape, dtype and
+    device (`bind_quantize_rows`). Called with any `x` of those (contiguous), it runs both passes and returns `(codes,
+    base, lora_act)`, `lora_act` None at rank 0: in new tensors, or with `workspace=True` in this stream's workspace, for
+    a caller that consumes them on this stream before its next call (`ops.BoundLinear`). The row maxima and the LoRA
+    partials always live in the workspace (`stream_workspace`), but under a CUDA-graph capture."""
+    __slots__ = ("first", "second", "sm", "ldt", "R", "buffers", "offsets", "stand_in", "views")
+    ALIGN = 256                 # bytes: each buffer of the workspace starts at a multiple (16-byte loads, TMA)
+
+    def __init__(self, x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM):
+        from w4a4_book.kernels.sm90_quant import QuantLoraDown, RowCodes
+        if fmt == "int4":
+            fail(ValueError, "fmt", "'int4': BoundRows binds the int8-lane formats (int4_pg, int8); int4 is one kernel, call quantize_lora_down")
+        launch = _quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm)
+        (M, K), ks, sig, dev, has_smooth = x.shape, launch["ks"], launch["sig"], x.device, smooth is not None
+        self.sm, self.ldt, self.R, self.views = launch["sm"], launch["ldt"], sig[1], {}
+        # (dtype, shape) in workspace order: the intermediates, then what a call returns (codes last, the largest)
+        self.buffers = ((torch.int32, (M,)), (torch.float32, (ks, M, max(self.R, 16))), (torch.float32, (M,)),
+                        *(((x.dtype, (M, self.R)),) if self.R else ()), (torch.int8, (M, K)))
+        sizes = [-(-torch.empty((), dtype=d).element_size() * math.prod(s) // self.ALIGN) * self.ALIGN for d, s in self.buffers]
+        self.offsets = tuple(itertools.accumulate(sizes, initial=0))
+        self.stand_in = None if self.R else _lora_out(M, 0, x.dtype, dev)
+        meta = [torch.empty(s, dtype=d, device="meta") for d, s in self.buffers]
+        rowmax, partial, base, lora_act, codes = self._named(meta)
+        first = [x, self.sm, self.ldt, codes.view(torch.int32), rowmax, partial]
+        second = [x, self.sm, rowmax.view(torch.float32), codes.view(torch.int32), base, partial, lora_act]
+        def compile_pass(make, names, tensors):
+            def compile_it():
+                kernel = make()
+                return kernel, quant_specs(kernel, names, tensors), True
+            return compile_it
+        self.first = launchable(("rowmax", *sig), dev, compile_pass(
+            lambda: QuantLoraDown(self.R, stages, has_smooth, ks, mode="pg_rowmax"), QUANT_ARGS, first))
+        self.second = launchable((fmt, *sig), dev, compile_pass(
+            lambda: RowCodes(fmt, has_smooth, self.R, ks), ROW_CODES_ARGS, second))
+
+    def _named(self, ts: list) -> tuple:
+        "`(rowmax, partial, base, lora_act, codes)` from tensors in workspace order (`lora_act` the stand-in at rank 0)."
+        return (*ts[:3], ts[3] if self.R else self.stand_in, ts[-1])
+
+    def _tensors(self, dev, workspace: bool) -> tuple:
+        "This call's `(rowmax, partial, base, lora_act, codes, codes as int32)`: the workspace's views, or new tensors."
+        n = len(self.buffers) if workspace else 2
+        arena = stream_workspace(dev, self.offsets[n])
+        if arena is None:
+            views = [torch.empty(s, dtype=d, device=dev) for d, s in self.buffers[:n]]
+        else:
+            hit = self.views.get(id(arena))
+            if hit is None or hit[0] is not arena or len(hit[1]) < n:
+                if len(self.views) > 8:          # views of buffers since grown or of other streams' buffers
+                    self.views.clear()
+                with torch.inference_mode(False):
+                    hit = self.views[id(arena)] = (arena, [arena[self.offsets[i]:self.offsets[i + 1]].view(d)[:math.prod(s)].view(s)
+                                                           for i, (d, s) in enumerate(self.buffers[:n])])
+            views = hit[1][:n]
+        if not workspace:
+            views += [torch.empty(s, dtype=d, device=dev) for d, s in self.buffers[2:]]
+        named = self._named(views)
+        return (*named, named[-1].view(torch.int32))
+
+    def __call__(self, x, workspace: bool = False) -> tuple:
+        rowmax, partial, base, lora_act, codes, codes32 = self._tensors(x.device, workspace)
+        rowmax.zero_()                                  # bits of max |x * (1/smooth)|, raised by red.max
+        self.first(x, self.sm, self.ldt, codes32, rowmax, partial)
+        self.second(x, self.sm, rowmax.view(torch.float32), codes32, base, partial, lora_act)
+        return codes, base, (lora_act if self.R else None)
+
+def bind_quantize_rows(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM) -> BoundRows:
+    """`quantize_lora_down`'s checks, compiles and weight-side tensors for an int8-lane `fmt` (int4_pg, int8), made once
+    for `x`'s shape, dtype and device: a `BoundRows`, called with `x` alone."""
+    return BoundRows(x, smooth, lora_down_t, fmt=fmt, stages=stages, ctas_per_sm=ctas_per_sm)
 
 SMEM_PER_BLOCK = 232448     # bytes of shared memory one CTA may opt into on sm_90 (227 KiB)
 

@@ -170,7 +170,8 @@ BOUND_ACT_FORMATS = ("int4_pg", "int8")     # the activation formats whose whole
 class BoundLinear:
     """`w4a4::linear` on the sm90 kernels for one M, input dtype and device, with every check, compile and weight-side
     tensor made once (`gemm.bind_quantize_rows`, `gemm.gemm_bound`): a call casts `x` if it must, allocates the
-    activation side and the output, and launches the two activation passes and the GEMM. `stamp`: the `(id, version)`
+    output (the activation side lives in the stream's workspace, `gemm.stream_workspace`), and launches the two
+    activation passes and the GEMM. `stamp`: the `(id, version)`
     of each tensor argument it was built from; `first`: the build call's output (it is built by computing one);
     `gemm` None where nothing binds (the reference backend, a kernel compiled per M)."""
     __slots__ = ("stamp", "dtype", "out_dtype", "shape", "quantize", "gemm", "rank", "first")
@@ -185,7 +186,7 @@ class BoundLinear:
             return                     # the reference rules, or a kernel compiled per M: nothing binds
         xin = x.to(smooth.dtype).contiguous()
         self.quantize = gemm.bind_quantize_rows(xin, smooth, lora_down_t(lora_down) if self.rank else None, fmt=act_fmt)
-        codes, base, lora_act = self.quantize(xin)
+        codes, base, lora_act = self.quantize(xin, workspace=True)
         act = QTensor.trusted(codes, None, act_fmt, base=base)
         self.gemm, out = gemm.gemm_bound(act, weights(qd, qs, fmt, qg, qb), lora_act, lora_up, wcs, bias,
                                          out_dtype=smooth.dtype, config=kernel)
@@ -201,7 +202,7 @@ class BoundLinear:
         "The op on `x`, of the M, dtype and device this was built for (not checked here: `bound_linear` keys on them)."
         if x.dtype != self.dtype or not x.is_contiguous():
             x = x.to(self.dtype).contiguous()
-        codes, base, lora_act = self.quantize(x)
+        codes, base, lora_act = self.quantize(x, workspace=True)     # read by the GEMM before the stream's next call
         return self._launch(codes, base, lora_act, torch.empty(self.shape, dtype=self.dtype, device=x.device))
 
 def _stamp(args: list) -> Optional[tuple]:
