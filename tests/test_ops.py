@@ -273,6 +273,32 @@ def test_the_bound_path_computes_what_the_op_does(act_fmt):
             assert torch.equal(layer(x), torch.ops.w4a4.linear(*layer.op_args(x, "sm90")))
 
 
+@pytest.mark.gpu
+@SM90
+@pytest.mark.parametrize("act_fmt", [None, "int8"])
+def test_layers_sharing_a_workspace_compute_what_the_unbound_path_does(act_fmt, monkeypatch):
+    """Layers of different shapes, called back to back with no sync on one stream and at the same time on a second,
+    share each stream's workspace (grown as the shapes ask): every output is the unbound path's (new buffers for every
+    intermediate), bit for bit."""
+    shapes = ((1024, 512, 32, 256), (512, 1024, 16, 4352), (1024, 256, 0, 17))     # (K, N, rank, M)
+    layers = [converted("int4_pg", act_fmt, K=K, N=N, rank=R)[0].cuda() for K, N, R, _ in shapes]
+    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for K, _, _, M in shapes]
+    with torch.no_grad():
+        with monkeypatch.context() as m:
+            m.setattr(ops, "bound_linear", lambda args: None)
+            want = [layer(x) for layer, x in zip(layers, xs)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        got = []
+        for _ in range(3):
+            got += [(i, layers[i](xs[i])) for i in range(3)]
+            with torch.cuda.stream(side):
+                got += [(i, layers[i](xs[i])) for i in (2, 1, 0)]
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+    assert all(torch.equal(y, want[i]) for i, y in got), [i for i, y in got if not torch.equal(y, want[i])]
+
+
 _CACHED_FORWARD = """
 import sys, torch
 from torch import nn
