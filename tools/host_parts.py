@@ -11,23 +11,31 @@ SHAPES = ((256, 3840, 3072),)           # (M, K, N): host time does not depend o
 LAYERS = (("int4_pg", None), ("int4_pg", "int8"))   # (weights' fmt, act_fmt): the formats whose op binds
 
 
-def host_us(fn, iters: int, sync_every: int = 8) -> dict:
-    """Median, p10 and p90 host µs per call of `fn()`. The GPU is synchronised every `sync_every` calls, outside the
-    times, so that a full launch queue never makes a call wait."""
+def host_us(fns: dict, iters: int, rounds: int = 20, sync_every: int = 8) -> dict:
+    """Median, p10 and p90 host µs per call of each of `fns` (name -> function), `iters` calls each, taken in `rounds`
+    interleaved rounds so that a slow spell of the machine falls on every part alike. The GPU is synchronised every
+    `sync_every` calls, outside the times, so that a full launch queue never makes a call wait."""
     import torch
-    for _ in range(20):
-        fn()
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
     torch.cuda.synchronize()
-    ts = []
-    for i in range(iters):
-        t0 = time.perf_counter_ns()
-        fn()
-        ts.append((time.perf_counter_ns() - t0) / 1e3)
-        if i % sync_every == sync_every - 1:
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            ts = times[name]
+            for i in range(iters // rounds):
+                t0 = time.perf_counter_ns()
+                fn()
+                ts.append((time.perf_counter_ns() - t0) / 1e3)
+                if i % sync_every == sync_every - 1:
+                    torch.cuda.synchronize()
             torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    ts.sort()
-    return dict(median_us=ts[len(ts) // 2], p10_us=ts[len(ts) // 10], p90_us=ts[9 * len(ts) // 10], n=len(ts))
+    out = {}
+    for name, ts in times.items():
+        ts.sort()
+        out[name] = dict(median_us=ts[len(ts) // 2], p10_us=ts[len(ts) // 10], p90_us=ts[9 * len(ts) // 10], n=len(ts))
+    return out
 
 
 def parts(layer, x) -> dict:
@@ -66,8 +74,7 @@ def main(argv=None):
         for fmt, act_fmt in LAYERS:
             layer = W4A4Linear.from_linear(lin, rank=a.rank, dtype=torch.bfloat16, backend="sm90", fmt=fmt, act_fmt=act_fmt)
             with torch.no_grad():
-                for part, fn in parts(layer, x).items():
-                    t = host_us(fn, a.iters)
+                for part, t in host_us(parts(layer, x), a.iters).items():
                     rows.append(dict(part=part, fmt=fmt, act_fmt=act_fmt or fmt, M=M, K=K, N=N, R=a.rank, **t))
                     print(f"{fmt}/{act_fmt or fmt} M={M}: {part:16s} {t['median_us']:7.2f} us", flush=True)
     command = f"python tools/host_parts.py --out nbs/data/{a.out.name}" + (f" --rank {a.rank}" if a.rank != 32 else "") + \
