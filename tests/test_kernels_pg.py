@@ -12,20 +12,25 @@ def pg_problem(M, N, K, R=32, out_dtype=torch.bfloat16):
     return Problem(M, N, K, R, scale_dtype=torch.uint8, lora_dtype=out_dtype, out_dtype=out_dtype, fmt="int4_pg", act_fmt="int4_pg")
 
 
+SMEM_VECTORS = dict(epi_vectors="smem")
+
+
 @pytest.mark.parametrize("kw, R", [({}, 32), (dict(cluster_n=2), 32), ({}, 0), ({}, 128), (dict(tile_m=128), 256),
-                                   (dict(cluster_n=2, lora_accounting="pair"), 128)])
+                                   (dict(cluster_n=2, lora_accounting="pair"), 128), (SMEM_VECTORS, 32), (SMEM_VECTORS, 0),
+                                   (dict(SMEM_VECTORS, cluster_n=2), 128), (dict(SMEM_VECTORS, tile_m=128), 256)])
 def test_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
     rep = gemm.compile_kernel(HopperPgConfig(**kw), pg_problem(4352, 3072, 3840, R))
     check_compiled(rep, R, a_in_registers=True)
 
 
-@pytest.mark.parametrize("kw, R", [({}, 32), (dict(cluster_n=2), 128), ({}, 0)])
+@pytest.mark.parametrize("kw, R", [({}, 32), (dict(cluster_n=2), 128), ({}, 0), (SMEM_VECTORS, 32)])
 def test_decode_warpgroup_variant_compiles(kw, R):
     rep = gemm.compile_kernel(HopperPgSmemConfig(**kw), pg_problem(4352, 3072, 3840, R))
     check_compiled(rep, R, a_in_registers=False)
 
 
-@pytest.mark.parametrize("kw, R", [({}, 32), (dict(cluster_n=2, tile_m=128, lora_accounting="pair"), 128), ({}, 0)])
+@pytest.mark.parametrize("kw, R", [({}, 32), (dict(cluster_n=2, tile_m=128, lora_accounting="pair"), 128), ({}, 0),
+                                   (dict(SMEM_VECTORS, tile_m=128), 32)])
 def test_v1_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
     rep = gemm.compile_kernel(HopperPgV1Config(**kw), pg_problem(4352, 3072, 3840, R))
     check_compiled(rep, R, a_in_registers=True)
@@ -97,53 +102,57 @@ def check_exact(out, case, out_dtype):
     assert worst <= 1.0, f"max err/bound {worst:.3f}"
 
 
-GRID = [  # M (tails, several tiles per CTA), N, K, R, out dtype, affine, cluster_n, tile_m
-    (128, 128, 128, 16, torch.bfloat16, True, 1, 256),
-    (300, 512, 1024, 128, torch.bfloat16, True, 1, 256),
-    (777, 3840, 1536, 64, torch.float16, True, 1, 256),
-    (1000, 1024, 3840, 32, torch.bfloat16, False, 1, 256),
-    (4352, 3072, 3840, 32, torch.bfloat16, True, 1, 256),
-    (257, 2048, 640, 0, torch.float16, False, 1, 256),
-    (513, 3072, 2048, 128, torch.bfloat16, True, 2, 256),
-    (64, 256, 256, 16, torch.float16, True, 2, 256),
-    (2000, 1024, 1024, 256, torch.bfloat16, True, 1, 128),
-    (4352, 3072, 3840, 32, torch.bfloat16, True, 2, 128),
-    (256, 3072, 3840, 32, torch.bfloat16, True, 1, 64),     # the small-M tile
-    (300, 512, 1024, 128, torch.float16, True, 2, 64),
+GRID = [  # M (tails, several tiles per CTA), N, K, R, out dtype, affine, cluster_n, tile_m, where the epilogue's vectors live
+    (128, 128, 128, 16, torch.bfloat16, True, 1, 256, "smem"),
+    (300, 512, 1024, 128, torch.bfloat16, True, 1, 256, "smem"),
+    (300, 512, 1024, 128, torch.bfloat16, True, 1, 256, "global"),
+    (777, 3840, 1536, 64, torch.float16, True, 1, 256, "smem"),
+    (1000, 1024, 3840, 32, torch.bfloat16, False, 1, 256, "smem"),
+    (4352, 3072, 3840, 32, torch.bfloat16, True, 1, 256, "smem"),
+    (4352, 3072, 3840, 32, torch.bfloat16, True, 1, 256, "global"),
+    (257, 2048, 640, 0, torch.float16, False, 1, 256, "smem"),
+    (513, 3072, 2048, 128, torch.bfloat16, True, 2, 256, "smem"),
+    (64, 256, 256, 16, torch.float16, True, 2, 256, "global"),
+    (2000, 1024, 1024, 256, torch.bfloat16, True, 1, 128, "smem"),
+    (4352, 3072, 3840, 32, torch.bfloat16, True, 2, 128, "smem"),
+    (256, 3072, 3840, 32, torch.bfloat16, True, 1, 64, "smem"),     # the small-M tile
+    (300, 512, 1024, 128, torch.float16, True, 2, 64, "smem"),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M, N, K, R, out_dtype, affine, cluster_n, tile_m", GRID)
-def test_matches_exact_reference(M, N, K, R, out_dtype, affine, cluster_n, tile_m):
+@pytest.mark.parametrize("M, N, K, R, out_dtype, affine, cluster_n, tile_m, vectors", GRID)
+def test_matches_exact_reference(M, N, K, R, out_dtype, affine, cluster_n, tile_m, vectors):
     case = make_pg_case(M, N, K, R, out_dtype, affine, seed=M + N + K + R)
     out = torch.full((M, N), float("nan"), dtype=out_dtype, device="cuda")
-    gemm.gemm_w4a4(*case, out_dtype=out_dtype, config=HopperPgConfig(cluster_n=cluster_n, tile_m=tile_m), out=out)
+    cfg = HopperPgConfig(cluster_n=cluster_n, tile_m=tile_m, epi_vectors=vectors)
+    gemm.gemm_w4a4(*case, out_dtype=out_dtype, config=cfg, out=out)
     torch.cuda.synchronize()
     check_exact(out, case, out_dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M, N, K, R, cluster_n", [(300, 512, 1024, 128, 1), (4352, 3072, 3840, 32, 2), (777, 3840, 1536, 0, 1)])
-def test_decode_warpgroup_variant_matches_exact_reference(M, N, K, R, cluster_n):
+@pytest.mark.parametrize("M, N, K, R, cluster_n, vectors", [(300, 512, 1024, 128, 1, "global"), (4352, 3072, 3840, 32, 2, "smem"),
+                                                    (777, 3840, 1536, 0, 1, "smem")])
+def test_decode_warpgroup_variant_matches_exact_reference(M, N, K, R, cluster_n, vectors):
     case = make_pg_case(M, N, K, R, seed=M + K)
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gemm.gemm_w4a4(*case, config=HopperPgSmemConfig(cluster_n=cluster_n), out=out)
+    gemm.gemm_w4a4(*case, config=HopperPgSmemConfig(cluster_n=cluster_n, epi_vectors=vectors), out=out)
     torch.cuda.synchronize()
     check_exact(out, case, torch.bfloat16)
 
 
-V1_GRID = [  # M, N, K, R, cluster_n, tile_m: K = 256 has fewer K-blocks than stages (no refill at all)
-    (300, 512, 1024, 128, 1, 256), (777, 3840, 256, 32, 1, 128), (513, 3072, 2048, 64, 2, 128),
-    (4352, 3072, 3840, 128, 2, 128), (257, 2048, 640, 0, 1, 256)]
+V1_GRID = [  # M, N, K, R, cluster_n, tile_m, vectors: K = 256 has fewer K-blocks than stages (no refill at all)
+    (300, 512, 1024, 128, 1, 256, "global"), (777, 3840, 256, 32, 1, 128, "smem"), (513, 3072, 2048, 64, 2, 128, "global"),
+    (4352, 3072, 3840, 128, 2, 128, "global"), (257, 2048, 640, 0, 1, 256, "smem")]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M, N, K, R, cluster_n, tile_m", V1_GRID)
-def test_v1_matches_exact_reference(M, N, K, R, cluster_n, tile_m):
+@pytest.mark.parametrize("M, N, K, R, cluster_n, tile_m, vectors", V1_GRID)
+def test_v1_matches_exact_reference(M, N, K, R, cluster_n, tile_m, vectors):
     case = make_pg_case(M, N, K, R, seed=M + N + R)
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gemm.gemm_w4a4(*case, config=HopperPgV1Config(cluster_n=cluster_n, tile_m=tile_m), out=out)
+    gemm.gemm_w4a4(*case, config=HopperPgV1Config(cluster_n=cluster_n, tile_m=tile_m, epi_vectors=vectors), out=out)
     torch.cuda.synchronize()
     check_exact(out, case, torch.bfloat16)
 
@@ -170,7 +179,7 @@ def test_w4a8_activations():
 
 @pytest.mark.gpu
 def test_one_compiled_kernel_serves_every_m():
-    cfg = HopperPgConfig(epi_tile_m=64)                    # a config no other test compiles
+    cfg = HopperPgConfig(epi_tile_m=64, epi_vectors="smem")   # a config no other test compiles; M tails clamp base_a
     before = len(gemm._compiled)
     for M in (1, 17, 256, 300, 4352):
         case = make_pg_case(M, 512, 1024, 32, seed=M)

@@ -141,16 +141,16 @@ def cluster_size(config) -> int:
 DEFAULT_NUM_SMS = 132                            # H100 and H200 SXM: what a compile (or choice) without a GPU assumes
 MIN_STAGES = 3                                   # main stages a default config keeps (see above)
 MIN_WAVE_FILL = 0.9                              # the share of the SMs' first wave a tile grid must fill (see above)
-# per config class, the (activation-tile height, epi_stages) a default config tries, in order
-TILE_CHOICES = {smem.HopperPgConfig: ((256, 2), (256, 1), (128, 2), (64, 2))}
+# per config class, the (activation-tile height, epi_stages, epi_vectors) a default config tries, in order
+TILE_CHOICES = {smem.HopperPgConfig: ((256, 2, "smem"), (256, 1, "smem"), (256, 1, "global"), (128, 2, "smem"), (64, 2, "smem"))}
 
 def tile_choice(config, problem, num_sms=None):
     """`config` with the first `TILE_CHOICES` tile whose budget for `problem` keeps `MIN_STAGES` main stages and whose
     output tiles fill `MIN_WAVE_FILL` of `num_sms` (default `DEFAULT_NUM_SMS`); else, among those keeping the most
     stages up to `MIN_STAGES`, the one with the most tiles."""
     sms, best = num_sms or DEFAULT_NUM_SMS, None
-    for tm, epi in TILE_CHOICES.get(type(config), ()):
-        c = replace(config, tile_m=tm, epi_stages=epi)
+    for tm, epi, vectors in TILE_CHOICES.get(type(config), ()):
+        c = replace(config, tile_m=tm, epi_stages=epi, epi_vectors=vectors)
         try:
             stages = smem.solve(bind(c, problem), k=problem.K).stages["main"]
         except ValueError:                       # not even one stage fits

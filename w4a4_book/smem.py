@@ -213,6 +213,7 @@ class HopperPgConfig:
     scale_dtype: str = "uint8"      # the weights' u
     epi_stages: int = 2             # output sub-tiles in flight per MMA warpgroup (a ring, stored by TMA)
     epi_tile_m: int = 32            # activation rows of an output sub-tile (it has 64 weight rows)
+    epi_vectors: str = "global"     # the epilogue's bases, wcscales and bias: read from global, or staged in shared memory ("smem")
     lora_accounting: str = "per_cta"
     stages: int | None = None
     max_stages: int | None = None
@@ -247,9 +248,14 @@ def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
               Term("lora_up", L * up_rows * R * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
                    "this CTA's BN x R up-projection rows" if up_rows == BN else "charged for the cluster's N rows: the historical bug")]
     E = stages["epi"]
-    t += [Term("affine", 0, 1, cfg.out_dtype, None, "bases, wcscales and bias are read from global memory in the epilogue"),
-          Term("epilogue", E * BN * cfg.epi_tile_m * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "epi",
-               "per MMA warpgroup, a ring of 64 x epi_tile_m output sub-tiles, transposed by stmatrix, for the TMA store")]
+    t.append(Term("epilogue", E * BN * cfg.epi_tile_m * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "epi",
+                  "per MMA warpgroup, a ring of 64 x epi_tile_m output sub-tiles, transposed by stmatrix, for the TMA store"))
+    if cfg.epi_vectors == "smem":   # last: its 16-byte alignment pads nothing after it
+        t.append(Term("vectors", 2 * (BM + 3 * (BN // 2)) * 4, 16, "float32", None,
+                      "per MMA warpgroup, the tile's BM base_a and its 64 columns' base_w, wcscales and bias in fp32, "
+                      "loaded before the K-loop and stored after it by the MMA warps"))
+    else:
+        t.append(Term("affine", 0, 1, cfg.out_dtype, None, "bases, wcscales and bias are read from global memory in the epilogue"))
     return t
 
 # %% ../nbs/03_smem.ipynb #c99f940b
@@ -361,6 +367,7 @@ def _check_hopper_pg(cfg):
     _choice(cfg, "out_dtype", ("bfloat16", "float16"))
     _choice(cfg, "lora_dtype", ("bfloat16", "float16"))
     _choice(cfg, "scale_dtype", ("uint8",))
+    _choice(cfg, "epi_vectors", ("smem", "global"))
 
 def _check_hopper_pg_smem(cfg):
     _check_hopper_pg(cfg)

@@ -6,7 +6,7 @@
 __all__ = ['TILE_N', 'TILE_K', 'WORDS_W', 'WORDS_U', 'LOW', 'HIGH', 'FLIP', 'EIGHTS', 'PG_ROLES', 'DECODE', 'SMEM_ROLES',
            'PG_V1_ROLES', 'prepack_weights', 'decode_word_ref', 'PgTensors', 'pg_arguments', 'pg_tensors', 'PgLoads',
            'PgLayouts', 'W4A4GemmPg', 'PgMmas', 'PgVectors', 'PgCta', 'PgTileCopies', 'mad_hi_u32', 'fence_operand',
-           'W4A4GemmPgSmem', 'W4A4GemmPgV1']
+           'EpiReads', 'W4A4GemmPgSmem', 'W4A4GemmPgV1']
 
 # %% ../../nbs/05b_pg.ipynb #bf3d93c4
 import weakref
@@ -167,6 +167,7 @@ class W4A4GemmPg:
         self.stages, self.lstages, self.estages = budget.stages["main"], budget.stages["lora"], budget.stages["epi"]
         self.lora_rank, self.cluster_n = c.lora_rank, c.cluster_n
         self.has_scale, self.has_bias = problem.has_scale, problem.has_bias
+        self.epi_vectors = c.epi_vectors
         self.num_sms, self.Scheduler = num_sms, scheduler
         self.threads = self.roles.threads
         self.epi_tile = (TILE_N // 2, c.epi_tile_m)       # one MMA warpgroup's 64 weight rows × epi_tile_m activations
@@ -198,7 +199,7 @@ def _layouts(self: W4A4GemmPg) -> dict:
 def _smem_dtypes(self: W4A4GemmPg) -> dict:
     "The element type of each buffer, by budget term."
     return dict(w_packed=cutlass.Uint32, w_u=cutlass.Uint32, act=cutlass.Int8, lora_act=self.lora_dtype,
-                lora_up=self.lora_dtype, epilogue=self.c_dtype)
+                lora_up=self.lora_dtype, epilogue=self.c_dtype, vectors=cutlass.Float32)
 
 @patch
 def _mmas(self: W4A4GemmPg) -> "PgMmas":
@@ -570,23 +571,69 @@ def mma_role(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas
     fill = self.first_loads(st, loads, layouts, load_pipe, lora_pipe, cta)
     for i in cutlass.range(cta.my_tiles, unroll=1):
         m, n = cta.sched.tile_mn(i, cta.rank, cta.cluster_id, cta.n_clusters)
+        pre = self.prefetch_vectors(vecs, t, wgi, m, n, M)
         cons, rel = self.kloop(mmas, acc, F0, F1, tCrB, sWt, sUt, load_pipe, cons, rel, fill)
-        lcons = self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, t, wgi, m, n, M)
+        lcons = self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, pre, t, wgi, m, n, M)
     if t == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)      # the last stores have read shared memory before the CTA exits
+
+# %% ../../nbs/05b_pg.ipynb #923481e2
+class EpiReads(NamedTuple):
+    "The epilogue's four vectors as functions of a tile-local index: `base_a` of an activation row, the others of a weight column."
+    base_a: object; base_w: object; wcscales: object; bias: object
+
+@patch
+def prefetch_vectors(self: W4A4GemmPg, vecs: PgVectors, t, wgi, m, n, M):
+    """With `epi_vectors` "smem": this thread's share of tile `(m, n)`'s epilogue vectors, loaded before the K-loop so
+    that the K-loop hides their latency: `(rows, cols)`, its `bm // 128` rows of base_a (one at bm = 64, where two
+    threads load each row), and column `t % 64` of its warpgroup's base_w, wcscales and bias, in fp32 (1 and 0 where
+    absent). None with "global". NOTES: every thread loads and later stores, duplicates writing equal values, so that
+    neither needs a branch."""
+    if self.epi_vectors != "smem":
+        return None
+    bm, half = self.bm, TILE_N // 2
+    per = max(bm // 128, 1)
+    rows = [vecs.base_a[cutlass.min(m * bm + (t * per + j) % bm, M - 1)] for j in range(per)]
+    c = n * TILE_N + half * wgi + t % half
+    wcs = vecs.wcscales[c].to(cutlass.Float32) if self.has_scale else cutlass.Float32(1.0)
+    bias = vecs.bias[c].to(cutlass.Float32) if self.has_bias else cutlass.Float32(0.0)
+    return rows, (vecs.base_w[c], wcs, bias)
+
+@patch
+def epi_reads(self: W4A4GemmPg, st, vecs: PgVectors, pre, t, wgi, m, n, M) -> EpiReads:
+    """The epilogue's reads of tile `(m, n)`'s vectors. With `pre` (`prefetch_vectors`'s answer): this thread's share
+    goes into its warpgroup's column of the `vectors` buffer, the warpgroup meets at its epilogue barrier, and every
+    read is a shared-memory load. Without: global loads, the rows clamped to M. NOTES: the buffer is free to write,
+    since every thread of the warpgroup read the previous tile's vectors before that tile's last store barrier."""
+    bm, half = self.bm, TILE_N // 2
+    if pre is None:
+        m0, n0 = m * bm, n * TILE_N + half * wgi
+        return EpiReads(lambda ml: vecs.base_a[cutlass.min(m0 + ml, M - 1)], lambda nl: vecs.base_w[n0 + nl],
+                        lambda nl: vecs.wcscales[n0 + nl].to(cutlass.Float32),
+                        lambda nl: vecs.bias[n0 + nl].to(cutlass.Float32))
+    sV = st.vectors.get_tensor(cute.make_layout((bm + 3 * half, 2)))         # (base_a | base_w | wcscales | bias, WG)
+    rows, cols = pre
+    for j, v in enumerate(rows):
+        sV[(t * len(rows) + j) % bm, wgi] = v
+    for c, v in enumerate(cols):
+        sV[bm + c * half + t % half, wgi] = v
+    cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
+    return EpiReads(lambda ml: sV[ml, wgi], lambda nl: sV[bm + nl, wgi], lambda nl: sV[bm + half + nl, wgi],
+                    lambda nl: sV[bm + 2 * half + nl, wgi])
+
 
 # %% ../../nbs/05b_pg.ipynb #29598468
 @patch
 @cute.jit
 def epilogue(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layouts: PgLayouts, lora_pipe, lcons,
-             acc, tCcC, lora_frags, t, wgi, m, n, M):
-    "Scale, LoRA, affine and store one tile; returns the LoRA consumer state."
-    bm, R = self.bm, self.lora_rank
-    n0, m0 = n * TILE_N + (TILE_N // 2) * wgi, m * bm
+             acc, tCcC, lora_frags, pre, t, wgi, m, n, M):
+    "Scale, LoRA, affine and store one tile (`pre`: `prefetch_vectors`'s answer); returns the LoRA consumer state."
+    R = self.lora_rank
+    reads = self.epi_reads(st, vecs, pre, t, wgi, m, n, M)
     accf = cute.recast_tensor(acc, cutlass.Float32)
     for i in cutlass.range_constexpr(cute.size(acc)):
         nl, ml = tCcC[i]
-        accf[i] = acc[i].to(cutlass.Float32) * vecs.base_w[n0 + nl] * vecs.base_a[cutlass.min(m0 + ml, M - 1)]
+        accf[i] = acc[i].to(cutlass.Float32) * reads.base_w(nl) * reads.base_a(ml)
     if cutlass.const_expr(R > 0):
         lora_pipe.consumer_wait(lcons)
         cute.nvgpu.warpgroup.fence()
@@ -597,12 +644,12 @@ def epilogue(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas
         cute.nvgpu.warpgroup.wait_group(0)
         lora_pipe.consumer_release(lcons)
         lcons.advance()
-    self.store(st, loads, vecs, mmas.main, layouts, accf, tCcC, t, wgi, m, n, n0)
+    self.store(st, loads, reads, mmas.main, layouts, accf, tCcC, t, wgi, m, n)
     return lcons
 
 @patch
 @cute.jit
-def store(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mma, layouts: PgLayouts, accf, tCcC, t, wgi, m, n, n0):
+def store(self: W4A4GemmPg, st, loads: PgLoads, reads, mma, layouts: PgLayouts, accf, tCcC, t, wgi, m, n):
     "The affine, then registers → shared memory (`stmatrix`, transposed) → global (TMA), through a ring of sub-tiles."
     E, c_dtype = self.estages, self.c_dtype
     sync = lambda: cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
@@ -631,9 +678,9 @@ def store(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mma, layouts: P
             nl, _ = tCcC[i]
             x = accf[i]
             if cutlass.const_expr(self.has_scale):
-                x = x * vecs.wcscales[n0 + nl].to(cutlass.Float32)
+                x = x * reads.wcscales(nl)
             if cutlass.const_expr(self.has_bias):
-                x = x + vecs.bias[n0 + nl].to(cutlass.Float32)
+                x = x + reads.bias(nl)
             rD[v] = x
         out = cute.make_rmem_tensor(rD_layout, c_dtype)
         out.store(rD.load().to(c_dtype))
@@ -770,8 +817,9 @@ def mma_role_smem(self: W4A4GemmPgSmem, st, loads: PgLoads, vecs: PgVectors, mma
     lcons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.lstages)
     for i in cutlass.range(cta.my_tiles, unroll=1):
         m, n = cta.sched.tile_mn(i, cta.rank, cta.cluster_id, cta.n_clusters)
+        pre = self.prefetch_vectors(vecs, t, wgi, m, n, M)
         cons, dcons = self.kloop_smem(mmas, acc, tCrA, tCrB, load_pipe, dec_pipe, (cons, dcons), wgi)
-        lcons = self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, t, wgi, m, n, M)
+        lcons = self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, pre, t, wgi, m, n, M)
     if t == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
