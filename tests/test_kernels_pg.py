@@ -21,12 +21,14 @@ SMEM_VECTORS = dict(epi_vectors="smem")
 def test_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
     rep = gemm.compile_kernel(HopperPgConfig(**kw), pg_problem(4352, 3072, 3840, R))
     check_compiled(rep, R, a_in_registers=True)
+    check_vectors(rep)
 
 
 @pytest.mark.parametrize("kw, R", [({}, 32), (dict(cluster_n=2), 128), ({}, 0), (SMEM_VECTORS, 32)])
 def test_decode_warpgroup_variant_compiles(kw, R):
     rep = gemm.compile_kernel(HopperPgSmemConfig(**kw), pg_problem(4352, 3072, 3840, R))
     check_compiled(rep, R, a_in_registers=False)
+    check_vectors(rep)
 
 
 @pytest.mark.parametrize("kw, R", [({}, 32), (dict(cluster_n=2, tile_m=128, lora_accounting="pair"), 128), ({}, 0),
@@ -34,6 +36,14 @@ def test_decode_warpgroup_variant_compiles(kw, R):
 def test_v1_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
     rep = gemm.compile_kernel(HopperPgV1Config(**kw), pg_problem(4352, 3072, 3840, R))
     check_compiled(rep, R, a_in_registers=True)
+    check_vectors(rep)
+
+
+def check_vectors(rep):
+    """With the epilogue's vectors in shared memory the kernel loads only each thread's few shares from global memory
+    (before the K-loop); read from global, the epilogue loads base_a once per activation row it holds."""
+    loads = rep.count(r"ld\.global")
+    assert (loads <= 8) if rep.config.epi_vectors == "smem" else (loads > 8), (rep.config.epi_vectors, loads)
 
 
 def check_compiled(rep, R, a_in_registers):

@@ -565,19 +565,35 @@ def test_the_activation_side_lives_in_a_workspace_per_thread_and_stream(stubbed_
         a, b = rows(x), rows(x)
         assert a[0].data_ptr() != b[0].data_ptr() and a[0].shape == (16, 512) and a[0].dtype == torch.int8
         seen = []
-        t = threading.Thread(target=lambda: seen.append(gemm.stream_workspace(x.device, 64).data_ptr()))
+        t = threading.Thread(target=lambda: seen.append(gemm.stream_workspace(x.device, 64)[1].data_ptr()))
         t.start(); t.join()
-        assert seen[0] != gemm.stream_workspace(x.device, 64).data_ptr()
+        assert seen[0] != gemm.stream_workspace(x.device, 64)[1].data_ptr()
 
 
 def test_a_workspace_grows_and_its_old_views_are_not_reused(stubbed_sm90):
-    "A larger request replaces the thread's buffer; a plan's views of the old buffer are made again on the new one."
+    """A larger request replaces the thread's buffer; a plan's views of the old buffer are made again on the new one,
+    and the plan keeps one set of views per stream, not one per buffer it has seen."""
     layer, x = sm90_layer("int4_pg", M=16)
     with torch.no_grad():
         layer(x)
         before = stubbed_sm90[-1][0].data_ptr()
-        big = gemm.stream_workspace(x.device, 1 << 22)
+        _, big = gemm.stream_workspace(x.device, 1 << 22)
         layer(x)
     (plan,) = bound_plans(layer).values()
     assert stubbed_sm90[-1][0].data_ptr() == big.data_ptr() + plan.quantize.offsets[-2]        # codes: the last buffer
     assert before != stubbed_sm90[-1][0].data_ptr()
+    assert len(plan.quantize.views) == 1 and plan.quantize.views[next(iter(plan.quantize.views))][0] is big
+
+
+def test_a_thread_keeps_a_bounded_number_of_stream_workspaces():
+    "Past `MAX_STREAM_WORKSPACES` streams a thread's oldest stream's buffer is dropped."
+    import threading
+    spaces = {}
+    def fill():
+        gemm._WORKSPACES.spaces = {((torch.device("cpu"), s, threading.get_ident())): torch.empty(1, dtype=torch.uint8)
+                                   for s in range(1, gemm.MAX_STREAM_WORKSPACES + 1)}
+        gemm.stream_workspace(torch.device("cpu"), 8)              # the CPU's stream 0: a new one
+        spaces.update(gemm._WORKSPACES.spaces)
+    t = threading.Thread(target=fill)
+    t.start(); t.join()
+    assert len(spaces) == gemm.MAX_STREAM_WORKSPACES and [k[1] for k in spaces][-1] == 0 and 1 not in [k[1] for k in spaces]

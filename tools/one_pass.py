@@ -1,5 +1,5 @@
-"""Time the int8-lane activation side (int4_pg and int8) at M = 256 and 4352 in one pass (`gemm.quantize_rows_one_pass`, a cluster per row tile,
-at every cluster that fits) against the two passes (`gemm.quantize_lora_down`), as CUDA-graph replays with the copy
+"""Time the int8-lane activation side (int4_pg and int8) at M = 256 and 4352 in one pass
+(`gemm.quantize_rows_one_pass`, a cluster per row tile, at every cluster that fits) against the two passes (`gemm.quantize_lora_down`), as CUDA-graph replays with the copy
 bandwidth of the same run, check that both write the same codes and bases (and how far apart their `lora_act` are: the two sum the LoRA partials
 in different orders), and save a record.
 
@@ -50,7 +50,7 @@ def main(argv=None):
                 print(f"{name}: skipped: {skipped[name]}", flush=True)
                 continue
             same = True if c is None else bool(torch.equal(out[0], act.data) and torch.equal(out[1], act.base))
-            # lora_act is summed in another order (on chip, not in RowCodes' butterfly): equal up to fp32 rounding
+            # lora_act's partials are added in another order (on chip, not RowCodes' butterfly): bf16 outputs may differ by an ulp
             lora_diff = 0.0 if c is None or lora_act is None else (out[2].float() - lora_act.float()).abs().max().item()
             t = time_cuda(call, warmup=10, iters=a.iters, graph=True)
             bw = nbytes / (t["median_ms"] * 1e-3)

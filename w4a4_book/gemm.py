@@ -28,13 +28,14 @@ from .operands import Problem, fail
 # %% auto #0
 __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'SCALE_DTYPE',
            'KERNEL_CACHE_ENV', 'CACHE_STATS', 'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ROW_CODES_ARGS',
-           'ACTIVATION_FORMATS', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS', 'QUANT_MODES', 'KernelSpec', 'register', 'spec_for',
-           'find_kernel', 'default_config', 'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build',
-           'CompileReport', 'compile_launchable', 'compile_on_fakes', 'example_problem', 'compile_kernel',
-           'kernel_cache_dir', 'cache_name', 'store_kernel', 'launchable', 'compiled_kernel', 'kept', 'derived',
-           'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4', 'compile_arguments', 'compile_command', 'sm_count',
-           'k_splits', 'quant_specs', 'constant', 'quantize_lora_down', 'stream_workspace', 'BoundRows',
-           'bind_quantize_rows', 'one_pass_smem', 'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
+           'ACTIVATION_FORMATS', 'MAX_STREAM_WORKSPACES', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS', 'QUANT_MODES',
+           'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields', 'bind',
+           'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable', 'compile_on_fakes',
+           'example_problem', 'compile_kernel', 'kernel_cache_dir', 'cache_name', 'store_kernel', 'launchable',
+           'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4',
+           'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quant_specs', 'constant',
+           'quantize_lora_down', 'stream_workspace', 'BoundRows', 'bind_quantize_rows', 'one_pass_smem',
+           'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -534,13 +535,17 @@ def quant_specs(kernel, names, tensors: list) -> list:
     return [ArgSpec(n, CUTE_DTYPES[t.dtype], tuple(t.shape), tuple(range(t.dim() - 1, -1, -1)), m)
             for n, t, m in zip(names, tensors, kernel.m_modes())]
 
-def _launch_quant(key, make, tensors: list, names=QUANT_ARGS):
-    """Launch the activation kernel `make()` on `tensors`, compiled once per `key` (every shape but M: the kernels read
-    M at run time) by `compile_launchable`, as the GEMM is."""
+def _quant_compiler(make, names, tensors: list):
+    "What `launchable` compiles for activation kernel `make()` launched on `tensors` (named `names`): M a run-time value."
     def compile_it():
         kernel = make()
         return kernel, quant_specs(kernel, names, tensors), True
-    launchable(key, tensors[0].device, compile_it)(*tensors)
+    return compile_it
+
+def _launch_quant(key, make, tensors: list, names=QUANT_ARGS):
+    """Launch the activation kernel `make()` on `tensors`, compiled once per `key` (every shape but M: the kernels read
+    M at run time) by `compile_launchable`, as the GEMM is."""
+    launchable(key, tensors[0].device, _quant_compiler(make, names, tensors))(*tensors)
 
 _CONSTANTS: dict = {}
 
@@ -599,24 +604,29 @@ def _lora_out(M: int, R: int, dtype, dev) -> torch.Tensor:
     return torch.empty(M, R, dtype=dtype, device=dev) if R else constant(0.0, (1, 16), dtype, dev)
 
 _WORKSPACES = threading.local()      # per thread: (device, stream) → a byte buffer, kept and grown as needed
+MAX_STREAM_WORKSPACES = 16           # per thread: past this many streams the oldest stream's buffer is dropped
 
-def stream_workspace(dev, nbytes: int) -> Optional[torch.Tensor]:
-    """A uint8 buffer of at least `nbytes` on `dev`, one per thread and current CUDA stream, kept and grown as needed,
-    for intermediates no caller keeps; None under a CUDA-graph capture (a graph owns its buffers). NOTES: a stream runs
-    its kernels in the order they were enqueued, and one thread enqueues its calls in order, so one call's kernels have
-    read the buffer before the next call's kernels write it; two threads on one stream interleave, hence per thread."""
+def stream_workspace(dev, nbytes: int) -> Optional[tuple]:
+    """`(key, buf)`: a uint8 buffer of at least `nbytes` on `dev`, one per thread and current CUDA stream (`key`),
+    kept and grown (at least doubled) as needed, for intermediates no caller keeps; None under a CUDA-graph capture (a
+    graph owns its buffers). NOTES: a stream runs its kernels in the order they were enqueued, and one thread enqueues
+    its calls in order, so one call's kernels have read the buffer before the next call's kernels write it; two
+    threads on one stream interleave, hence per thread. A dropped or outgrown buffer goes back to the caching
+    allocator, which gives it only to later work on the stream it was made on."""
     cuda = dev.type == "cuda"
     if cuda and torch.cuda.is_current_stream_capturing():
         return None
     spaces = getattr(_WORKSPACES, "spaces", None)
     if spaces is None:
         spaces = _WORKSPACES.spaces = {}
-    key = (dev, torch._C._cuda_getCurrentRawStream(dev.index) if cuda else 0)
+    key = (dev, torch._C._cuda_getCurrentRawStream(dev.index) if cuda else 0, threading.get_ident())
     buf = spaces.get(key)
     if buf is None or buf.numel() < nbytes:
+        if buf is None and len(spaces) >= MAX_STREAM_WORKSPACES:
+            del spaces[next(iter(spaces))]
         with torch.inference_mode(False):      # views of it are written in and out of inference mode
-            buf = spaces[key] = torch.empty(nbytes, dtype=torch.uint8, device=dev)   # the old one's kernels precede on this stream
-    return buf
+            buf = spaces[key] = torch.empty(max(nbytes, 2 * buf.numel() if buf is not None else 0), dtype=torch.uint8, device=dev)
+    return key, buf
 
 class BoundRows:
     """`quantize_lora_down` for an int8-lane `fmt` (int4_pg, int8), checked and compiled once for `x`'s shape, dtype and
@@ -637,21 +647,16 @@ class BoundRows:
         # (dtype, shape) in workspace order: the intermediates, then what a call returns (codes last, the largest)
         self.buffers = ((torch.int32, (M,)), (torch.float32, (ks, M, max(self.R, 16))), (torch.float32, (M,)),
                         *(((x.dtype, (M, self.R)),) if self.R else ()), (torch.int8, (M, K)))
-        sizes = [-(-torch.empty((), dtype=d).element_size() * math.prod(s) // self.ALIGN) * self.ALIGN for d, s in self.buffers]
+        sizes = [-(-d.itemsize * math.prod(s) // self.ALIGN) * self.ALIGN for d, s in self.buffers]
         self.offsets = tuple(itertools.accumulate(sizes, initial=0))
         self.stand_in = None if self.R else _lora_out(M, 0, x.dtype, dev)
         meta = [torch.empty(s, dtype=d, device="meta") for d, s in self.buffers]
         rowmax, partial, base, lora_act, codes = self._named(meta)
         first = [x, self.sm, self.ldt, codes.view(torch.int32), rowmax, partial]
         second = [x, self.sm, rowmax.view(torch.float32), codes.view(torch.int32), base, partial, lora_act]
-        def compile_pass(make, names, tensors):
-            def compile_it():
-                kernel = make()
-                return kernel, quant_specs(kernel, names, tensors), True
-            return compile_it
-        self.first = launchable(("rowmax", *sig), dev, compile_pass(
+        self.first = launchable(("rowmax", *sig), dev, _quant_compiler(
             lambda: QuantLoraDown(self.R, stages, has_smooth, ks, mode="pg_rowmax"), QUANT_ARGS, first))
-        self.second = launchable((fmt, *sig), dev, compile_pass(
+        self.second = launchable((fmt, *sig), dev, _quant_compiler(
             lambda: RowCodes(fmt, has_smooth, self.R, ks), ROW_CODES_ARGS, second))
 
     def _named(self, ts: list) -> tuple:
@@ -661,17 +666,17 @@ class BoundRows:
     def _tensors(self, dev, workspace: bool) -> tuple:
         "This call's `(rowmax, partial, base, lora_act, codes, codes as int32)`: the workspace's views, or new tensors."
         n = len(self.buffers) if workspace else 2
-        arena = stream_workspace(dev, self.offsets[n])
-        if arena is None:
+        space = stream_workspace(dev, self.offsets[n])
+        if space is None:
             views = [torch.empty(s, dtype=d, device=dev) for d, s in self.buffers[:n]]
         else:
-            hit = self.views.get(id(arena))
-            if hit is None or hit[0] is not arena or len(hit[1]) < n:
-                if len(self.views) > 8:          # views of buffers since grown or of other streams' buffers
-                    self.views.clear()
+            key, arena = space
+            hit = self.views.get(key)
+            if hit is None or hit[0] is not arena or len(hit[1]) < n:       # a new stream, or its buffer grew
                 with torch.inference_mode(False):
-                    hit = self.views[id(arena)] = (arena, [arena[self.offsets[i]:self.offsets[i + 1]].view(d)[:math.prod(s)].view(s)
-                                                           for i, (d, s) in enumerate(self.buffers[:n])])
+                    hit = self.views[key] = (arena, [arena[self.offsets[i]:self.offsets[i + 1]].view(d)[:math.prod(s)].view(s)
+                                                     for i, (d, s) in enumerate(self.buffers)
+                                                     if self.offsets[i + 1] <= arena.numel()])
             views = hit[1][:n]
         if not workspace:
             views += [torch.empty(s, dtype=d, device=dev) for d, s in self.buffers[2:]]

@@ -150,6 +150,7 @@ class PgLayouts(NamedTuple):
     "Shared-memory layouts, by budget term; staged ones end in a STAGE mode (None: not allocated)."
     w_packed: object; w_u: object; act: object; lora_act: object; lora_up: object; epilogue: object
     w_decoded: object = None      # the decode-warpgroup mainloop's ring of int8 weight tiles
+    vectors: object = None        # epi_vectors "smem": (base_a | base_w | wcscales | bias, MMA warpgroup), fp32
 
 class W4A4GemmPg:
     "v2's skeleton with the exact-integer mainloop: int4_pg weights decoded into INT8 wgmma's A registers."
@@ -193,6 +194,8 @@ def _layouts(self: W4A4GemmPg) -> dict:
     if R:
         L["lora_act"] = sm90_utils.make_smem_layout_b(row, (bn, bm, R), self.lora_dtype, self.lstages)
         L["lora_up"] = sm90_utils.make_smem_layout_a(row, (bn, bm, R), self.lora_dtype, self.lstages)
+    if self.epi_vectors == "smem":
+        L["vectors"] = cute.make_layout((bm + len(EpiReads._fields[1:]) * (TILE_N // 2), len(self.roles.mma_warps) // 4))
     return L
 
 @patch
@@ -583,24 +586,29 @@ class EpiReads(NamedTuple):
     base_a: object; base_w: object; wcscales: object; bias: object
 
 @patch
+def vector_rows(self: W4A4GemmPg, t) -> list:
+    """The tile-local base_a rows thread `t` of a warpgroup loads and stores: ⌈tile_m / 128⌉ of them, wrapped into
+    the tile (at tile_m = 64 two threads share a row; at 192 some rows have two threads), so that every row has one."""
+    per = -(-self.bm // 128)
+    return [(t * per + j) % self.bm for j in range(per)]
+
+@patch
 def prefetch_vectors(self: W4A4GemmPg, vecs: PgVectors, t, wgi, m, n, M):
     """With `epi_vectors` "smem": this thread's share of tile `(m, n)`'s epilogue vectors, loaded before the K-loop so
-    that the K-loop hides their latency: `(rows, cols)`, its `bm // 128` rows of base_a (one at bm = 64, where two
-    threads load each row), and column `t % 64` of its warpgroup's base_w, wcscales and bias, in fp32 (1 and 0 where
-    absent). None with "global". NOTES: every thread loads and later stores, duplicates writing equal values, so that
-    neither needs a branch."""
+    that the K-loop hides their latency: `(rows, cols)`, base_a of its rows `vector_rows(t)`, and column `t % 64` of
+    its warpgroup's base_w, wcscales and bias, in fp32 (1 and 0 where absent). None with "global". NOTES: every
+    thread loads and later stores, duplicates writing equal values, so that neither needs a branch."""
     if self.epi_vectors != "smem":
         return None
     bm, half = self.bm, TILE_N // 2
-    per = max(bm // 128, 1)
-    rows = [vecs.base_a[cutlass.min(m * bm + (t * per + j) % bm, M - 1)] for j in range(per)]
+    rows = [vecs.base_a[cutlass.min(m * bm + r, M - 1)] for r in self.vector_rows(t)]
     c = n * TILE_N + half * wgi + t % half
     wcs = vecs.wcscales[c].to(cutlass.Float32) if self.has_scale else cutlass.Float32(1.0)
     bias = vecs.bias[c].to(cutlass.Float32) if self.has_bias else cutlass.Float32(0.0)
     return rows, (vecs.base_w[c], wcs, bias)
 
 @patch
-def epi_reads(self: W4A4GemmPg, st, vecs: PgVectors, pre, t, wgi, m, n, M) -> EpiReads:
+def epi_reads(self: W4A4GemmPg, st, layouts: PgLayouts, vecs: PgVectors, pre, t, wgi, m, n, M) -> EpiReads:
     """The epilogue's reads of tile `(m, n)`'s vectors. With `pre` (`prefetch_vectors`'s answer): this thread's share
     goes into its warpgroup's column of the `vectors` buffer, the warpgroup meets at its epilogue barrier, and every
     read is a shared-memory load. Without: global loads, the rows clamped to M. NOTES: the buffer is free to write,
@@ -611,10 +619,10 @@ def epi_reads(self: W4A4GemmPg, st, vecs: PgVectors, pre, t, wgi, m, n, M) -> Ep
         return EpiReads(lambda ml: vecs.base_a[cutlass.min(m0 + ml, M - 1)], lambda nl: vecs.base_w[n0 + nl],
                         lambda nl: vecs.wcscales[n0 + nl].to(cutlass.Float32),
                         lambda nl: vecs.bias[n0 + nl].to(cutlass.Float32))
-    sV = st.vectors.get_tensor(cute.make_layout((bm + 3 * half, 2)))         # (base_a | base_w | wcscales | bias, WG)
+    sV = st.vectors.get_tensor(layouts.vectors)                              # (base_a | base_w | wcscales | bias, WG)
     rows, cols = pre
-    for j, v in enumerate(rows):
-        sV[(t * len(rows) + j) % bm, wgi] = v
+    for r, v in zip(self.vector_rows(t), rows):
+        sV[r, wgi] = v
     for c, v in enumerate(cols):
         sV[bm + c * half + t % half, wgi] = v
     cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
@@ -629,7 +637,7 @@ def epilogue(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas
              acc, tCcC, lora_frags, pre, t, wgi, m, n, M):
     "Scale, LoRA, affine and store one tile (`pre`: `prefetch_vectors`'s answer); returns the LoRA consumer state."
     R = self.lora_rank
-    reads = self.epi_reads(st, vecs, pre, t, wgi, m, n, M)
+    reads = self.epi_reads(st, layouts, vecs, pre, t, wgi, m, n, M)
     accf = cute.recast_tensor(acc, cutlass.Float32)
     for i in cutlass.range_constexpr(cute.size(acc)):
         nl, ml = tCcC[i]
