@@ -12,7 +12,7 @@ LAYERS = (("int4_pg", None), ("int4_pg", "int8"))   # (weights' fmt, act_fmt): t
 
 
 def host_us(fns: dict, iters: int, rounds: int = 20, sync_every: int = 8) -> dict:
-    """Median, p10 and p90 host µs per call of each of `fns` (name -> function), `iters` calls each, taken in `rounds`
+    """Median, p10 and p90 host µs per call of each of `fns` (key -> function), `iters` calls each, taken in `rounds`
     interleaved rounds so that a slow spell of the machine falls on every part alike. The GPU is synchronised every
     `sync_every` calls, outside the times, so that a full launch queue never makes a call wait."""
     import torch
@@ -71,12 +71,13 @@ def main(argv=None):
     for M, K, N in SHAPES:
         torch.manual_seed(0)
         lin, x = torch.nn.Linear(K, N, device=dev), torch.randn(M, K, device=dev).bfloat16()
-        for fmt, act_fmt in LAYERS:
-            layer = W4A4Linear.from_linear(lin, rank=a.rank, dtype=torch.bfloat16, backend="sm90", fmt=fmt, act_fmt=act_fmt)
-            with torch.no_grad():
-                for part, t in host_us(parts(layer, x), a.iters).items():
-                    rows.append(dict(part=part, fmt=fmt, act_fmt=act_fmt or fmt, M=M, K=K, N=N, R=a.rank, **t))
-                    print(f"{fmt}/{act_fmt or fmt} M={M}: {part:16s} {t['median_us']:7.2f} us", flush=True)
+        layers = {(fmt, act_fmt or fmt): W4A4Linear.from_linear(lin, rank=a.rank, dtype=torch.bfloat16, backend="sm90",
+                                                                fmt=fmt, act_fmt=act_fmt) for fmt, act_fmt in LAYERS}
+        with torch.no_grad():   # every layer's parts in the same interleaved rounds: a slow spell falls on all alike
+            fns = {(fa, part): fn for fa, layer in layers.items() for part, fn in parts(layer, x).items()}
+            for ((fmt, act_fmt), part), t in host_us(fns, a.iters).items():
+                rows.append(dict(part=part, fmt=fmt, act_fmt=act_fmt, M=M, K=K, N=N, R=a.rank, **t))
+                print(f"{fmt}/{act_fmt} M={M}: {part:16s} {t['median_us']:7.2f} us", flush=True)
     command = f"python tools/host_parts.py --out nbs/data/{a.out.name}" + (f" --rank {a.rank}" if a.rank != 32 else "") + \
               (f" --iters {a.iters}" if a.iters != 2000 else "")
     prov = provenance(command, [list(s) for s in SHAPES], kind="host_parts", rank=a.rank)
