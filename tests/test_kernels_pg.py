@@ -39,6 +39,17 @@ def test_v1_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
     check_vectors(rep)
 
 
+def test_the_decode_multiplies_nothing():
+    """The register decode is table lookups (`prmt`) and logic: no integer multiply of weights by u in the PTX (on the
+    H200 those cost the INT8 tensor pipe throughput, chapter 5b), and the lookup tables are the solver's term."""
+    from w4a4_book import smem
+    from w4a4_book.kernels.sm90_pg import DECODE_LOOKUP
+    assert smem.PG_LOOKUP_BYTES == DECODE_LOOKUP.nbytes
+    for cfg in (HopperPgConfig(), HopperPgSmemConfig(), HopperPgV1Config()):
+        rep = gemm.compile_kernel(cfg, pg_problem(4352, 3072, 3840, 0))
+        assert rep.count(r"mad\.hi\.u32") == 0 and rep.count(r"prmt\.b32") >= 5, type(cfg).__name__
+
+
 def check_vectors(rep):
     """With the epilogue's vectors in shared memory the kernel loads only each thread's few shares from global memory
     (before the K-loop); read from global, the epilogue loads base_a once per activation row it holds."""

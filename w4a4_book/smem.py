@@ -4,12 +4,12 @@
 
 # %% auto #0
 __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALIGN', 'SWIZZLE_128B_ALIGN', 'DTYPE_BITS',
-           'STAGE_KINDS', 'LORA_ACCOUNTING', 'GROUP_SIZE', 'PG_GROUP', 'SM100_EPI_TILE', 'PROMOTIONS', 'ABLATIONS',
-           'FAMILIES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS', 'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config',
-           'BlackwellOrigConfig', 'hopper_v1_terms', 'HopperV2Config', 'hopper_v2_terms', 'HopperPgConfig',
-           'hopper_pg_terms', 'HopperPgSmemConfig', 'HopperPgV1Config', 'hopper_pg_smem_terms', 'blackwell_orig_terms',
-           'Family', 'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms',
-           'check_config', 'Budget', 'solve', 'explain']
+           'STAGE_KINDS', 'LORA_ACCOUNTING', 'GROUP_SIZE', 'PG_GROUP', 'PG_LOOKUP_BYTES', 'SM100_EPI_TILE',
+           'PROMOTIONS', 'ABLATIONS', 'FAMILIES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS', 'ArchFacts', 'Term',
+           'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms', 'HopperV2Config',
+           'hopper_v2_terms', 'HopperPgConfig', 'hopper_pg_terms', 'HopperPgSmemConfig', 'HopperPgV1Config',
+           'hopper_pg_smem_terms', 'blackwell_orig_terms', 'Family', 'Sm100V1Config', 'sm100_tmem_columns',
+           'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms', 'check_config', 'Budget', 'solve', 'explain']
 
 # %% ../nbs/03_smem.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -198,6 +198,7 @@ def hopper_v2_terms(cfg: HopperV2Config, stages: dict, accounting: str) -> list:
 
 # %% ../nbs/03_smem.ipynb #1ad7bb9b
 PG_GROUP = 64                   # int4_pg: one u per 64 values along K (formats.PG_GROUP)
+PG_LOOKUP_BYTES = 16 * 16       # the decode's tables (kernels.sm90_pg.DECODE_LOOKUP): 16 bytes per 4-bit u
 
 @dataclass(frozen=True)
 class HopperPgConfig:
@@ -250,6 +251,8 @@ def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
     E = stages["epi"]
     t.append(Term("epilogue", E * BN * cfg.epi_tile_m * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "epi",
                   "per MMA warpgroup, a ring of 64 x epi_tile_m output sub-tiles, transposed by stmatrix, for the TMA store"))
+    t.append(Term("decode_lookup", PG_LOOKUP_BYTES, 16, "uint32", None,
+                  "the decode's PRMT tables: for each u, 16 int8 q*u (two 8-byte tables), written once per CTA by thread 0"))
     if cfg.epi_vectors == "smem":   # last: its 16-byte alignment pads nothing after it
         t.append(Term("vectors", 2 * (BM + 3 * (BN // 2)) * 4, 16, "float32", None,
                       "per MMA warpgroup, the tile's BM base_a and its 64 columns' base_w, wcscales and bias in fp32, "
