@@ -114,7 +114,9 @@ def main(argv=None):
         for x in rows[-2 * len(SHAPES):]:
             if x["method"] != "cute_int8_gemm":
                 print(f"{v:16s} {x['M']}x{x['N']}x{x['K']}: {x['median_ms'] * 1e3:.1f} us, {x['of_stock']:.3f}x stock", flush=True)
-    prov = provenance(shapes=[list(s) for s in SHAPES], command="python tools/decode_cost.py --out " + str(a.out),
+    command = f"python tools/decode_cost.py --out nbs/data/{a.out.name}" + (f" --iters {a.iters}" if a.iters != 30 else "") + \
+        (f" --rounds {a.rounds}" if a.rounds != 3 else "")
+    prov = provenance(shapes=[list(s) for s in SHAPES], command=command,
                       kind="decode_cost", variants=list(VARIANTS))
     save_record(a.out, prov, rows)
     print("saved", a.out)
