@@ -228,6 +228,7 @@ def test_pg_methods_and_default_sets():
         "w4a4_pg_128": (KernelRef("int4_pg", "v2", fields=(("tile_m", 128),)), ("int4_pg",), True, True),
         "w4a4_pg_64": (KernelRef("int4_pg", "v2", fields=(("tile_m", 64),)), ("int4_pg",), True, True),
         "w4a4_pg_epi1": (KernelRef("int4_pg", "v2", fields=(("epi_stages", 1),)), ("int4_pg",), True, True),
+        "w4a4_pg_lora32": (KernelRef("int4_pg", "v2", fields=(("lora_chunk", 32), ("lora_stages", 2))), ("int4_pg",), True, True),
         "w4a4_pg_pure_2cta": (KernelRef("int4_pg", "v2", fields=(("cluster_n", 2),)), ("int4_pg",), False, True),
         "w4a4_pg_v1": (KernelRef("int4_pg", "v1", fields=(("tile_m", 128),)), ("int4_pg",), True, True),
         "w4a8": (PG_KERNEL, ("int8",), True, True)}

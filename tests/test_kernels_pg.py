@@ -1,7 +1,8 @@
 """The exact-integer mainloop (int4_pg): compile checks on any machine; on an sm_90 GPU, the correctness grid against the
 exact int64 reference, and one compiled kernel serving every M."""
 import pytest, torch
-from w4a4_book import gemm
+from dataclasses import replace
+from w4a4_book import gemm, smem
 from w4a4_book.formats import quantize
 from w4a4_book.operands import Problem
 from w4a4_book.reference import w4a4_gemm_exact
@@ -49,6 +50,30 @@ def test_the_decode_multiplies_nothing():
         rep = gemm.compile_kernel(cfg, pg_problem(4352, 3072, 3840, 0))
         assert rep.count(r"mad\.hi\.u32") == 0 and rep.count(r"prmt\.b32") >= 5, type(cfg).__name__
 
+
+@pytest.mark.parametrize("cls, kw", [(HopperPgConfig, dict(lora_chunk=32, lora_stages=2)),
+                                     (HopperPgConfig, dict(lora_chunk=32, lora_stages=2, cluster_n=2, lora_accounting="pair")),
+                                     (HopperPgSmemConfig, dict(lora_chunk=32, lora_stages=2))])
+def test_lora_chunks_compile_with_the_solvers_storage(cls, kw):
+    """The LoRA blocks streamed `lora_chunk` rank columns at a time: the struct is the solver's, each chunk is
+    `lora_chunk / 16` LoRA wgmmas (R / 16 in all), and at R = 128 the 256-row tile keeps more main stages than with
+    the rank held whole."""
+    cfg, p = cls(**kw), pg_problem(4352, 3072, 3840, 128)
+    rep = gemm.compile_kernel(cfg, p)
+    check_compiled(rep, 128, a_in_registers=cls is HopperPgConfig)
+    whole = smem.solve(gemm.bind(replace(cfg, lora_chunk=None, lora_stages=1), p), k=p.K).stages["main"]
+    assert rep.budget.stages["main"] > whole
+
+
+def test_lora_chunk_validity():
+    with pytest.raises(ValueError, match="lora_chunk=48: must divide lora_rank=128"):
+        smem.check_config(HopperPgConfig(lora_rank=128, lora_chunk=48))
+    with pytest.raises(ValueError, match="lora_chunk=32: v1 loads"):
+        smem.check_config(HopperPgV1Config(lora_rank=128, lora_chunk=32))
+    with pytest.raises(ValueError, match="lora_chunk=8"):
+        smem.check_config(HopperPgConfig(lora_rank=128, lora_chunk=8))
+    smem.check_config(HopperPgConfig(lora_rank=16, lora_chunk=32))          # wider than the rank: one chunk
+    assert smem.lora_chunk_of(HopperPgConfig(lora_rank=16, lora_chunk=32)) == 16
 
 def check_vectors(rep):
     """With the epilogue's vectors in shared memory the kernel loads only each thread's few shares from global memory
@@ -151,6 +176,21 @@ def test_matches_exact_reference(M, N, K, R, out_dtype, affine, cluster_n, tile_
     torch.cuda.synchronize()
     check_exact(out, case, out_dtype)
 
+
+LORA_CHUNK_GRID = [  # M, N, K, R, cluster_n, lora_chunk, lora_stages: the rank streamed through a LoRA ring in chunks
+    (300, 512, 1024, 128, 1, 32, 2), (513, 3072, 2048, 128, 2, 32, 2), (777, 3840, 1536, 64, 1, 16, 3),
+    (4352, 3072, 3840, 256, 1, 64, 2), (128, 128, 128, 16, 1, 32, 2)]     # the last: a chunk wider than the rank
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K, R, cluster_n, chunk, lstages", LORA_CHUNK_GRID)
+def test_lora_chunks_match_exact_reference(M, N, K, R, cluster_n, chunk, lstages):
+    case = make_pg_case(M, N, K, R, seed=M + R + chunk)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = HopperPgConfig(cluster_n=cluster_n, lora_chunk=chunk, lora_stages=lstages, epi_vectors="smem")
+    gemm.gemm_w4a4(*case, config=cfg, out=out)
+    torch.cuda.synchronize()
+    check_exact(out, case, torch.bfloat16)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M, N, K, R, cluster_n, vectors", [(300, 512, 1024, 128, 1, "global"), (4352, 3072, 3840, 32, 2, "smem"),

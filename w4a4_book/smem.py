@@ -7,9 +7,10 @@ __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALI
            'STAGE_KINDS', 'LORA_ACCOUNTING', 'GROUP_SIZE', 'PG_GROUP', 'PG_LOOKUP_BYTES', 'SM100_EPI_TILE',
            'PROMOTIONS', 'ABLATIONS', 'FAMILIES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS', 'ArchFacts', 'Term',
            'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms', 'HopperV2Config',
-           'hopper_v2_terms', 'HopperPgConfig', 'hopper_pg_terms', 'HopperPgSmemConfig', 'HopperPgV1Config',
-           'hopper_pg_smem_terms', 'blackwell_orig_terms', 'Family', 'Sm100V1Config', 'sm100_tmem_columns',
-           'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms', 'check_config', 'Budget', 'solve', 'explain']
+           'hopper_v2_terms', 'HopperPgConfig', 'lora_chunk_of', 'hopper_pg_terms', 'HopperPgSmemConfig',
+           'HopperPgV1Config', 'hopper_pg_smem_terms', 'blackwell_orig_terms', 'Family', 'Sm100V1Config',
+           'sm100_tmem_columns', 'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms', 'check_config', 'Budget', 'solve',
+           'explain']
 
 # %% ../nbs/03_smem.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -209,6 +210,7 @@ class HopperPgConfig:
     cluster_n: int = 1              # 2: a pair along N sharing the activation tile and LoRA activations by multicast
     lora_rank: int = 0
     lora_stages: int = 1
+    lora_chunk: int | None = None   # rank columns per LoRA stage: None, the whole rank; less, chunks streamed through the ring
     out_dtype: str = "bfloat16"
     lora_dtype: str = "bfloat16"
     scale_dtype: str = "uint8"      # the weights' u
@@ -227,7 +229,12 @@ class HopperPgConfig:
     @property
     def label(self) -> str:
         return (f"{self.family} {self.arch} {self.fmt} tile {self.tile_m}x{self.tile_n}x{self.tile_k} "
-                f"cluster_n={self.cluster_n} R={self.lora_rank} lora_accounting={self.lora_accounting}")
+                f"cluster_n={self.cluster_n} R={self.lora_rank} lora_accounting={self.lora_accounting}"
+                + (f" lora_chunk={self.lora_chunk}" if self.lora_chunk is not None else ""))
+
+def lora_chunk_of(cfg) -> int:
+    "The rank columns one LoRA stage of `cfg` holds: `lora_chunk`, at most the rank; the whole rank when None."
+    return min(cfg.lora_chunk or cfg.lora_rank, cfg.lora_rank)
 
 def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
     "The exact-integer mainloop's SharedStorage, field by field in declaration order, at the given stage counts."
@@ -244,10 +251,11 @@ def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
           Term("w_u", S * BN * (BK // PG_GROUP), TMA_SMEM_ALIGN, "uint32", "main", "the weights' u, one byte per row and group"),
           Term("act", S * BM * BK, SWIZZLE_128B_ALIGN, "int8", "main", "int8 q*u activations, wgmma's B operand")]
     if R:
+        C = lora_chunk_of(cfg)                 # a LoRA stage holds C of the rank's columns
         up_rows = BN * cfg.cluster_n if accounting == "pair" else BN
-        t += [Term("lora_act", L * BM * R * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora", "the tile's BM x R LoRA activation rows"),
-              Term("lora_up", L * up_rows * R * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
-                   "this CTA's BN x R up-projection rows" if up_rows == BN else "charged for the cluster's N rows: the historical bug")]
+        t += [Term("lora_act", L * BM * C * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora", "the tile's BM x C LoRA activation rows"),
+              Term("lora_up", L * up_rows * C * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
+                   "this CTA's BN x C up-projection rows" if up_rows == BN else "charged for the cluster's N rows: the historical bug")]
     E = stages["epi"]
     t.append(Term("epilogue", E * BN * cfg.epi_tile_m * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "epi",
                   "per MMA warpgroup, a ring of 64 x epi_tile_m output sub-tiles, transposed by stmatrix, for the TMA store"))
@@ -371,6 +379,15 @@ def _check_hopper_pg(cfg):
     _choice(cfg, "lora_dtype", ("bfloat16", "float16"))
     _choice(cfg, "scale_dtype", ("uint8",))
     _choice(cfg, "epi_vectors", ("smem", "global"))
+    if cfg.lora_chunk is not None:
+        _int(cfg, "lora_chunk", 16, 256, 16, "whole 16-deep MMAs of the LoRA product")
+        if cfg.lora_rank and cfg.lora_rank % lora_chunk_of(cfg):
+            raise ValueError(f"lora_chunk={cfg.lora_chunk}: must divide lora_rank={cfg.lora_rank} (or exceed it)")
+
+def _check_hopper_pg_v1(cfg):
+    _check_hopper_pg(cfg)
+    if lora_chunk_of(cfg) != cfg.lora_rank:
+        raise ValueError(f"lora_chunk={cfg.lora_chunk}: v1 loads a tile's LoRA blocks whole, before its K-loop")
 
 def _check_hopper_pg_smem(cfg):
     _check_hopper_pg(cfg)
@@ -408,7 +425,7 @@ FAMILIES = {
     # once k+1's has landed: it holds two stages at once, so one stage would wait on itself forever.
     HopperPgConfig: Family(hopper_pg_terms, _check_hopper_pg, archs=("sm_90",), fmt="int4_pg", min_stages=2,
                            given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
-    HopperPgV1Config: Family(hopper_pg_terms, _check_hopper_pg, archs=("sm_90",), fmt="int4_pg", min_stages=2,
+    HopperPgV1Config: Family(hopper_pg_terms, _check_hopper_pg_v1, archs=("sm_90",), fmt="int4_pg", min_stages=2,
                              given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
     HopperPgSmemConfig: Family(hopper_pg_smem_terms, _check_hopper_pg_smem, archs=("sm_90",), fmt="int4_pg",
                                given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),

@@ -355,6 +355,7 @@ PG_KERNELS = (kernel_method("w4a4_pg", PG_KERNEL),
               kernel_method("w4a4_pg_128", KernelRef("int4_pg", "v2", fields=(("tile_m", 128),))),   # a 128-row activation tile
               kernel_method("w4a4_pg_64", KernelRef("int4_pg", "v2", fields=(("tile_m", 64),))),     # 64 rows: more tiles at small M
               kernel_method("w4a4_pg_epi1", KernelRef("int4_pg", "v2", fields=(("epi_stages", 1),))),  # one output sub-tile in flight: a main stage more
+              kernel_method("w4a4_pg_lora32", KernelRef("int4_pg", "v2", fields=(("lora_chunk", 32), ("lora_stages", 2)))),  # the rank streamed, 32 columns a stage
               pure_kernel_method("w4a4_pg_pure_2cta", KernelRef("int4_pg", "v2", fields=(("cluster_n", 2),)), out_dtype=torch.float16),
               kernel_method("w4a4_pg_v1", KernelRef("int4_pg", "v1", fields=(("tile_m", 128),))),       # v1 on the same mainloop
               kernel_method("w4a8", PG_KERNEL, fmts=("int8",)))

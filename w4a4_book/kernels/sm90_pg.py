@@ -27,6 +27,7 @@ import cuda.bindings.driver as cuda
 from fastcore.basics import patch
 import w4a4_book.formats as formats
 import w4a4_book.operands as operands
+import w4a4_book.smem as smem
 import w4a4_book.kernels.sm90_parts as parts
 from .sm90_parts import NamedBarrier, PersistentRaster, WarpRoles, kernel_bundle, tma_split
 
@@ -198,6 +199,8 @@ class W4A4GemmPg:
         self.bm, self.bn, self.bk = c.tile_m, c.tile_n, c.tile_k
         self.stages, self.lstages, self.estages = budget.stages["main"], budget.stages["lora"], budget.stages["epi"]
         self.lora_rank, self.cluster_n = c.lora_rank, c.cluster_n
+        self.lora_chunk = smem.lora_chunk_of(c)          # rank columns per LoRA stage
+        self.lora_chunks = c.lora_rank // self.lora_chunk if c.lora_rank else 0   # LoRA stages a tile streams
         self.has_scale, self.has_bias = problem.has_scale, problem.has_bias
         self.epi_vectors = c.epi_vectors
         self.num_sms, self.Scheduler = num_sms, scheduler
@@ -215,7 +218,7 @@ class W4A4GemmPg:
 @patch
 def _layouts(self: W4A4GemmPg) -> dict:
     "Shared-memory layouts by budget term; staged ones end in a STAGE mode."
-    bm, bn, bk, S, R = self.bm, self.bn, self.bk, self.stages, self.lora_rank
+    bm, bn, bk, S, R = self.bm, self.bn, self.bk, self.stages, self.lora_chunk
     row = utils.LayoutEnum.ROW_MAJOR
     L = dict(w_packed=cute.make_layout((256, WORDS_W // 256, S), stride=(1, 256, WORDS_W)),
              w_u=cute.make_layout((WORDS_U, S), stride=(1, WORDS_U)),
@@ -260,7 +263,7 @@ def _setup(self: W4A4GemmPg, t: PgTensors):
     self.mmas = self._mmas()
     # bytes that land in one stage: the full barrier's transaction count (the activation tile whole, multicast or not)
     self.tx_main = (WORDS_W + WORDS_U) * 4 + self.bm * self.bk
-    self.tx_lora = (self.bm + self.bn) * self.lora_rank * self.lora_dtype.width // 8
+    self.tx_lora = (self.bm + self.bn) * self.lora_chunk * self.lora_dtype.width // 8
 
 @patch
 def _loads(self: W4A4GemmPg, t: PgTensors) -> PgLoads:
@@ -273,8 +276,8 @@ def _loads(self: W4A4GemmPg, t: PgTensors) -> PgLoads:
     a = cp.make_tiled_tma_atom(mcast if mc > 1 else g2s, t.act, one(L.act), (self.bm, self.bk), num_multicast=mc)
     la = lu = (None, None)
     if self.lora_rank:
-        la = cp.make_tiled_tma_atom(mcast if mc > 1 else g2s, t.lora_act, one(L.lora_act), (self.bm, self.lora_rank), num_multicast=mc)
-        lu = cp.make_tiled_tma_atom(g2s, t.lora_up, one(L.lora_up), (self.bn, self.lora_rank))
+        la = cp.make_tiled_tma_atom(mcast if mc > 1 else g2s, t.lora_act, one(L.lora_act), (self.bm, self.lora_chunk), num_multicast=mc)
+        lu = cp.make_tiled_tma_atom(g2s, t.lora_up, one(L.lora_up), (self.bn, self.lora_chunk))
     M, N = cute.size(t.out, mode=[0]), cute.size(t.out, mode=[1])
     out_t = cute.make_tensor(t.out.iterator, cute.make_layout((N, M), stride=(1, N)))     # C as the (N, M) tensor
     c = cp.make_tiled_tma_atom(cp.CopyBulkTensorTileS2GOp(), out_t, one(L.epilogue), self.epi_tile)
@@ -436,16 +439,21 @@ def load_block(self: W4A4GemmPg, loads: PgLoads, load_pipe, prod, c: PgTileCopie
 @patch
 @cute.jit
 def load_lora(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, lora_pipe, lprod, rank, mask, m, n):
-    "The LoRA blocks of tile `(m, n)` into LoRA stage `lprod.index`: activation rows split across a pair and multicast (`mask`, as for the tile's activations)."
-    bm, bn, R = self.bm, self.bn, self.lora_rank
-    sLA = st.lora_act.get_tensor(layouts.lora_act.outer, swizzle=layouts.lora_act.inner)   # (BM, R, L)
-    sLU = st.lora_up.get_tensor(layouts.lora_up.outer, swizzle=layouts.lora_up.inner)      # (BN, R, L)
-    tLsA, tLgA = tma_split(loads.la, sLA, cute.local_tile(loads.la_g, (bm, R), (m, None)), rank, self.cluster_n)
-    tLsU, tLgU = tma_split(loads.lu, sLU, cute.local_tile(loads.lu_g, (bn, R), (n, None)))
-    lora_pipe.producer_acquire(lprod)
-    lbar = lora_pipe.producer_get_barrier(lprod)
-    cute.copy(loads.la, tLgA[(None, 0)], tLsA[(None, lprod.index)], tma_bar_ptr=lbar, mcast_mask=mask)
-    cute.copy(loads.lu, tLgU[(None, 0)], tLsU[(None, lprod.index)], tma_bar_ptr=lbar)
+    """The LoRA blocks of tile `(m, n)`, `lora_chunk` rank columns at a time, each chunk into the next LoRA stage:
+    activation rows split across a pair and multicast (`mask`, as for the tile's activations). Returns `lprod` advanced
+    past them."""
+    bm, bn, C = self.bm, self.bn, self.lora_chunk
+    sLA = st.lora_act.get_tensor(layouts.lora_act.outer, swizzle=layouts.lora_act.inner)   # (BM, C, L)
+    sLU = st.lora_up.get_tensor(layouts.lora_up.outer, swizzle=layouts.lora_up.inner)      # (BN, C, L)
+    tLsA, tLgA = tma_split(loads.la, sLA, cute.local_tile(loads.la_g, (bm, C), (m, None)), rank, self.cluster_n)
+    tLsU, tLgU = tma_split(loads.lu, sLU, cute.local_tile(loads.lu_g, (bn, C), (n, None)))
+    for j in cutlass.range_constexpr(self.lora_chunks):
+        lora_pipe.producer_acquire(lprod)
+        lbar = lora_pipe.producer_get_barrier(lprod)
+        cute.copy(loads.la, tLgA[(None, j)], tLsA[(None, lprod.index)], tma_bar_ptr=lbar, mcast_mask=mask)
+        cute.copy(loads.lu, tLgU[(None, j)], tLsU[(None, lprod.index)], tma_bar_ptr=lbar)
+        lprod.advance()
+    return lprod
 
 @patch
 @cute.jit
@@ -460,8 +468,7 @@ def load(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, load_pipe, lo
             self.load_block(loads, load_pipe, prod, copies, k)
             prod.advance()
         if cutlass.const_expr(self.lora_rank > 0):
-            self.load_lora(st, loads, layouts, lora_pipe, lprod, cta.rank, copies.mask, m, n)
-            lprod.advance()
+            lprod = self.load_lora(st, loads, layouts, lora_pipe, lprod, cta.rank, copies.mask, m, n)
 
 @patch
 def first_loads(self: W4A4GemmPg, st, loads, layouts, load_pipe, lora_pipe, cta):
@@ -705,10 +712,10 @@ def epilogue(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas
     for i in cutlass.range_constexpr(cute.size(acc)):
         nl, ml = tCcC[i]
         accf[i] = acc[i].to(cutlass.Float32) * reads.base_w(nl) * reads.base_a(ml)
-    if cutlass.const_expr(R > 0):
+    for _ in cutlass.range_constexpr(self.lora_chunks):          # each LoRA stage: lora_chunk rank columns
         lora_pipe.consumer_wait(lcons)
         cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range_constexpr(R // 16):
+        for kb in cutlass.range_constexpr(self.lora_chunk // 16):
             cute.gemm(mmas.lora, accf, lora_frags[0][(None, None, kb, lcons.index)],
                       lora_frags[1][(None, None, kb, lcons.index)], accf)
         cute.nvgpu.warpgroup.commit_group()
