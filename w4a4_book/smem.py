@@ -247,6 +247,9 @@ def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
     if R:
         t += [bar("lora_full", L, "lora", "TMA transaction barrier for the LoRA blocks"),
               bar("lora_empty", L, "lora", "the MMA warpgroups release the LoRA blocks")]
+    # NOTES: after the barriers, the tables sit in the padding before the first 1024-aligned buffer: they cost no byte
+    t.append(Term("decode_lookup", PG_LOOKUP_BYTES, 16, "uint32", None,
+                  "the decode's PRMT tables: for each u, 16 int8 q*u (two 8-byte tables), written once per CTA by thread 0"))
     t += [Term("w_packed", S * BN * BK // 2, SWIZZLE_128B_ALIGN, "uint32", "main", "int4 weights, 8 per word, in A-fragment order"),
           Term("w_u", S * BN * (BK // PG_GROUP), TMA_SMEM_ALIGN, "uint32", "main", "the weights' u, one byte per row and group"),
           Term("act", S * BM * BK, SWIZZLE_128B_ALIGN, "int8", "main", "int8 q*u activations, wgmma's B operand")]
@@ -259,8 +262,6 @@ def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
     E = stages["epi"]
     t.append(Term("epilogue", E * BN * cfg.epi_tile_m * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "epi",
                   "per MMA warpgroup, a ring of 64 x epi_tile_m output sub-tiles, transposed by stmatrix, for the TMA store"))
-    t.append(Term("decode_lookup", PG_LOOKUP_BYTES, 16, "uint32", None,
-                  "the decode's PRMT tables: for each u, 16 int8 q*u (two 8-byte tables), written once per CTA by thread 0"))
     if cfg.epi_vectors == "smem":   # last: its 16-byte alignment pads nothing after it
         t.append(Term("vectors", 2 * (BM + 3 * (BN // 2)) * 4, 16, "float32", None,
                       "per MMA warpgroup, the tile's BM base_a and its 64 columns' base_w, wcscales and bias in fp32, "

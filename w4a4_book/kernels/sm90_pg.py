@@ -706,7 +706,6 @@ def epi_reads(self: W4A4GemmPg, st, layouts: PgLayouts, vecs: PgVectors, pre, t,
 def epilogue(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layouts: PgLayouts, lora_pipe, lcons,
              acc, tCcC, lora_frags, pre, t, wgi, m, n, M):
     "Scale, LoRA, affine and store one tile (`pre`: `prefetch_vectors`'s answer); returns the LoRA consumer state."
-    R = self.lora_rank
     reads = self.epi_reads(st, layouts, vecs, pre, t, wgi, m, n, M)
     accf = cute.recast_tensor(acc, cutlass.Float32)
     for i in cutlass.range_constexpr(cute.size(acc)):
