@@ -6,7 +6,7 @@ measure instructions, not arithmetic:
 
 - `multiply`: the decode before the lookup tables (a mask, one IMAD or IMAD.HI by u and a sign flip per four values);
 - `multiplies_only`: its multiplies alone;
-- `no_multiply`: its instruction count with every multiply replaced by a LOP3;
+- `no_multiply`: the same sequence with each multiply replaced by a LOP3;
 - `loads_only`: the packed words as loaded, no ALU work.
 
 Each variant runs in its own process (the kernel cache off), so that no compiled kernel is shared between them.

@@ -218,16 +218,16 @@ class W4A4GemmPg:
 @patch
 def _layouts(self: W4A4GemmPg) -> dict:
     "Shared-memory layouts by budget term; staged ones end in a STAGE mode."
-    bm, bn, bk, S, R = self.bm, self.bn, self.bk, self.stages, self.lora_chunk
+    bm, bn, bk, S, C = self.bm, self.bn, self.bk, self.stages, self.lora_chunk    # C: rank columns per LoRA stage
     row = utils.LayoutEnum.ROW_MAJOR
     L = dict(w_packed=cute.make_layout((256, WORDS_W // 256, S), stride=(1, 256, WORDS_W)),
              w_u=cute.make_layout((WORDS_U, S), stride=(1, WORDS_U)),
              act=sm90_utils.make_smem_layout_b(row, (bn, bm, bk), cutlass.Int8, S),
              epilogue=sm90_utils.make_smem_layout_epi(self.c_dtype, utils.LayoutEnum.COL_MAJOR, self.epi_tile,
                                                      2 * self.estages))
-    if R:
-        L["lora_act"] = sm90_utils.make_smem_layout_b(row, (bn, bm, R), self.lora_dtype, self.lstages)
-        L["lora_up"] = sm90_utils.make_smem_layout_a(row, (bn, bm, R), self.lora_dtype, self.lstages)
+    if C:
+        L["lora_act"] = sm90_utils.make_smem_layout_b(row, (bn, bm, C), self.lora_dtype, self.lstages)
+        L["lora_up"] = sm90_utils.make_smem_layout_a(row, (bn, bm, C), self.lora_dtype, self.lstages)
     if self.epi_vectors == "smem":
         L["vectors"] = cute.make_layout((bm + len(EpiReads._fields[1:]) * (TILE_N // 2), len(self.roles.mma_warps) // 4))
     L["decode_lookup"] = cute.make_layout((DECODE_LOOKUP.size,))
