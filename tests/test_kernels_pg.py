@@ -18,7 +18,9 @@ SMEM_VECTORS = dict(epi_vectors="smem")
 
 @pytest.mark.parametrize("kw, R", [({}, 32), (dict(cluster_n=2), 32), ({}, 0), ({}, 128), (dict(tile_m=128), 256),
                                    (dict(cluster_n=2, lora_accounting="pair"), 128), (SMEM_VECTORS, 32), (SMEM_VECTORS, 0),
-                                   (dict(SMEM_VECTORS, cluster_n=2), 128), (dict(SMEM_VECTORS, tile_m=128), 256)])
+                                   (dict(SMEM_VECTORS, cluster_n=2), 128), (dict(SMEM_VECTORS, tile_m=128), 256),
+                                   (dict(SMEM_VECTORS, tile_m=224), 32), (dict(SMEM_VECTORS, tile_m=224, cluster_n=2), 128),
+                                   (dict(tile_m=192), 0)])
 def test_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
     rep = gemm.compile_kernel(HopperPgConfig(**kw), pg_problem(4352, 3072, 3840, R))
     check_compiled(rep, R, a_in_registers=True)
@@ -163,6 +165,10 @@ GRID = [  # M (tails, several tiles per CTA), N, K, R, out dtype, affine, cluste
     (4352, 3072, 3840, 32, torch.bfloat16, True, 2, 128, "smem"),
     (256, 3072, 3840, 32, torch.bfloat16, True, 1, 64, "smem"),     # the small-M tile
     (300, 512, 1024, 128, torch.float16, True, 2, 64, "smem"),
+    (4352, 3072, 3840, 32, torch.bfloat16, True, 1, 224, "smem"),   # the wave-fitting tiles (`gemm.tile_choice`)
+    (1000, 3072, 3840, 128, torch.float16, True, 2, 224, "global"),
+    (777, 3840, 1536, 0, torch.bfloat16, False, 1, 192, "smem"),
+    (300, 512, 1024, 64, torch.bfloat16, True, 1, 160, "smem"),
 ]
 
 

@@ -143,13 +143,15 @@ DEFAULT_NUM_SMS = 132                            # H100 and H200 SXM: what a com
 MIN_STAGES = 3                                   # main stages a default config keeps (see above)
 MIN_WAVE_FILL = 0.9                              # the share of the SMs' first wave a tile grid must fill (see above)
 # per config class, the (activation-tile height, epi_stages, epi_vectors) a default config tries, in order
-TILE_CHOICES = {smem.HopperPgConfig: ((256, 2, "smem"), (256, 1, "smem"), (256, 1, "global"), (128, 2, "smem"), (64, 2, "smem"))}
+TILE_CHOICES = {smem.HopperPgConfig: ((256, 2, "smem"), (256, 1, "smem"), (256, 1, "global"), (224, 2, "smem"),
+                                      (192, 2, "smem"), (128, 2, "smem"), (64, 2, "smem"))}
 
 def tile_choice(config, problem, num_sms=None):
-    """`config` with the first `TILE_CHOICES` tile whose budget for `problem` keeps `MIN_STAGES` main stages and whose
-    output tiles fill `MIN_WAVE_FILL` of `num_sms` (default `DEFAULT_NUM_SMS`); else, among those keeping the most
-    stages up to `MIN_STAGES`, the one with the most tiles."""
-    sms, best = num_sms or DEFAULT_NUM_SMS, None
+    """`config` with the `TILE_CHOICES` tile for `problem` on `num_sms` SMs (default `DEFAULT_NUM_SMS`). Of the tiles
+    whose budget keeps `MIN_STAGES` main stages and whose grid fills `MIN_WAVE_FILL` of the SMs, the one of fewest
+    waves, then the lowest, then the first; where none fills the SMs, among those keeping the most stages up to
+    `MIN_STAGES`, the one with the most tiles."""
+    sms, best, fits = num_sms or DEFAULT_NUM_SMS, None, []
     for tm, epi, vectors in TILE_CHOICES.get(type(config), ()):
         c = replace(config, tile_m=tm, epi_stages=epi, epi_vectors=vectors)
         try:
@@ -158,9 +160,11 @@ def tile_choice(config, problem, num_sms=None):
             continue
         tiles = -(-problem.M // tm) * (problem.N // c.tile_n)
         if stages >= MIN_STAGES and tiles >= MIN_WAVE_FILL * sms:
-            return c
+            fits.append((-(-tiles // sms), tm, c))
         score = (min(stages, MIN_STAGES), tiles)
         best = best if best is not None and best[0] >= score else (score, c)
+    if fits:
+        return min(fits, key=lambda f: f[:2])[2]     # min keeps the first of equals
     return config if best is None else best[1]
 
 # %% ../nbs/05a_gemm.ipynb #185c3191
@@ -700,10 +704,12 @@ SMEM_PER_BLOCK = 232448     # bytes of shared memory one CTA may opt into on sm_
 def one_pass_smem(K: int, R: int, cluster: int, elt: int = 2) -> int:
     """Shared memory of the one-pass activation kernel (`QuantLoraDown` mode int4_pg or int8) with `cluster` CTAs per
     row tile: every K-block of a CTA's share (64 rows of x and R rows of lora_downᵀ, 64 wide), its full and empty
-    barriers, its 64 row maxima; the buffers and the whole 1024-byte aligned, as the kernel's storage is (at rank 0
-    one idle 16-row stage of lora_downᵀ)."""
+    barriers, each warpgroup's 64 row maxima, the rows' bases, the share's `1/smooth`; the buffers and the whole
+    1024-byte aligned, as the kernel's storage is (at rank 0 one idle 16-row stage of lora_downᵀ)."""
+    from w4a4_book.kernels.sm90_quant import QuantLoraDown
     stages, RL, up = K // 64 // cluster, max(R, 16), lambda n: -(-n // 1024) * 1024
-    return up(up(16 * stages) + up(64 * 64 * elt * stages) + up(RL * 64 * elt * (stages if R else 1)) + 4 * 64)
+    vectors = 4 * 64 * (QuantLoraDown.HOLD_WARPGROUPS + 1 + stages)
+    return up(up(16 * stages) + up(64 * 64 * elt * stages) + up(RL * 64 * elt * (stages if R else 1)) + vectors)
 
 def one_pass_cluster(K: int, R: int, elt: int = 2) -> Optional[int]:
     "The one-pass kernel's default cluster: the fewest CTAs (2 to 16, a divisor of K/64) whose shares fit in shared memory; None if none fits."

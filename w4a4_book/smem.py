@@ -368,7 +368,7 @@ def _check_hopper_v2(cfg):
         raise ValueError(f"ablate={cfg.ablate!r}: must be a tuple of some of {ABLATIONS}")
 
 def _check_hopper_pg(cfg):
-    _int(cfg, "tile_m", 64, 256, 64, "wgmma N: a multiple of 64 activation rows up to 256")
+    _int(cfg, "tile_m", 64, 256, 32, "wgmma N, in whole 32-row output sub-tiles, up to 256 activation rows")
     _int(cfg, "tile_n", 128, 128, why="two MMA warpgroups of 64 weight rows: the packed weight layout is per 128 rows")
     _int(cfg, "tile_k", 128, 128, why="the packed weight layout is per 128 K")
     _int(cfg, "cluster_n", 1, 2)
@@ -387,6 +387,7 @@ def _check_hopper_pg(cfg):
 
 def _check_hopper_pg_v1(cfg):
     _check_hopper_pg(cfg)
+    _int(cfg, "tile_m", 64, 256, 64, "v1 is verified on whole 64-row blocks of activations")
     if lora_chunk_of(cfg) != cfg.lora_rank:
         raise ValueError(f"lora_chunk={cfg.lora_chunk}: v1 loads a tile's LoRA blocks whole, before its K-loop")
 

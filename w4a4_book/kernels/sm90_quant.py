@@ -80,26 +80,30 @@ class QuantOutputs(NamedTuple):
 class QuantLoraDown:
     """Per 64-row tile and share of K: read x once (TMA), quantize each group of 64 to INT4 + one scale, and
     accumulate x @ lora_down on wgmma into this share's fp32 partial (the host sums the `k_splits` partials)."""
-    threads = 128           # one warpgroup: 2 threads per row of the 64-row tile, 32 values each
+    threads = 128           # two passes: one warpgroup, 2 threads per row of the 64-row tile, 32 values each
     tile_m = 64
 
     # pg_rowmax: the first pass of the int8-lane formats (`RowCodes` is the second); int4_pg, int8: both in one pass,
-    # the `k_splits` CTAs of a row tile one cluster holding their shares of x in shared memory (`ClusterRows`)
+    # the `k_splits` CTAs of a row tile one cluster holding their shares of x in shared memory (`hold_share`)
     MODES = ("int4", "pg_rowmax", "int4_pg", "int8")
     MAX_CLUSTER = 16        # CTAs in a cluster: 16 is Hopper's largest (non-portable) cluster
+    HOLD_WARPGROUPS = 4     # one pass: warpgroup w of a CTA takes K-blocks w, w + 4, ... of its share
 
     def __init__(self, rank, stages=4, has_smooth=True, k_splits=1, mode="int4"):
         if mode not in self.MODES: raise ValueError(f"mode={mode!r}: must be one of {self.MODES}")
         self.rank, self.stages, self.has_smooth, self.k_splits, self.mode = rank, stages, has_smooth, k_splits, mode
         self.w_stages = stages if rank else 1      # rank 0: one idle 16-row stage keeps the code uniform
         self.one_pass = mode in ("int4_pg", "int8")
+        self.wgs = self.HOLD_WARPGROUPS if self.one_pass else 1
+        self.threads = 128 * self.wgs
         if self.one_pass and not (1 <= k_splits <= self.MAX_CLUSTER and stages >= 2):
             raise ValueError(f"k_splits={k_splits}, stages={stages}: one pass holds a cluster of at most "
                              f"{self.MAX_CLUSTER} CTAs, each with all (at least two) of its K-blocks")
 
     def make_storage(self, dt, x_l, w_l, K: int):
-        """The shared storage: the ring's barriers and stages of x and lora_downᵀ, and in one pass the CTA's 64 row
-        maxima. NOTES: plain Python, called while tracing: inside the traced `__call__` an `if` would be traced too."""
+        """The shared storage: the ring's barriers and stages of x and lora_downᵀ; in one pass also each warpgroup's 64
+        row maxima, the rows' bases and the share's `1/smooth`. NOTES: plain Python, called while tracing: inside the
+        traced `__call__` an `if` would be traced too."""
         S = self.stages
         if self.one_pass and S * self.k_splits != K // G:
             raise ValueError(f"stages={S}, k_splits={self.k_splits}: one pass holds all K/64={K // G} K-blocks of a row tile")
@@ -107,7 +111,9 @@ class QuantLoraDown:
                       x=cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(x_l)], 1024],
                       w=cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(w_l)], 1024])
         if self.one_pass:
-            fields["red"] = cute.struct.MemRange[cutlass.Float32, self.tile_m]
+            fields.update(red=cute.struct.MemRange[cutlass.Float32, self.tile_m * self.wgs],
+                          bases=cute.struct.MemRange[cutlass.Float32, self.tile_m],
+                          smooth=cute.struct.Align[cute.struct.MemRange[cutlass.Float32, S * G], 16])
         return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
     def m_modes(self) -> tuple:
@@ -148,7 +154,6 @@ class QuantLoraDown:
     def kernel(self, loads, mRecipSmooth, outs, mma: cute.TiledMma, x_l, w_l):
         BM, R, S = self.tile_m, self.rank, self.stages
         tma_x, gX, tma_w, gW = loads
-        mCodes, mAux, mLora = outs
         tidx, _, _ = cute.arch.thread_idx()
         bidx, kz, _ = cute.arch.block_idx()                          # row tile, share of K
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -169,7 +174,7 @@ class QuantLoraDown:
                                                       cute.group_modes(cute.local_tile(gX, (BM, G), (bidx, None)), 0, 2))
         tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
                                                       cute.group_modes(cute.local_tile(gW, (max(R, 16), G), (0, None)), 0, 2))
-        thr = mma.get_slice(tidx)
+        thr = mma.get_slice(tidx % 128)                             # this thread's place in its warpgroup
         tCrX = mma.make_fragment_A(thr.partition_A(sX))              # (MMA, MMA_M, MMA_K, S)
         tCrW = mma.make_fragment_B(thr.partition_B(sW))              # (MMA, MMA_N, MMA_K, S)
         tCcC = thr.partition_C(cute.make_identity_tensor((BM, max(R, 16))))   # (MMA, MMA_M, MMA_N) → (m, r)
@@ -178,11 +183,9 @@ class QuantLoraDown:
         mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
-        M = cute.size(gX, mode=[0])
         k_tiles = cute.size(gX, mode=[1]) // G // self.k_splits     # K-blocks of this CTA's share
         k0 = kz * k_tiles                                            # its first K-block
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
-        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
         if warp == 0:
             for _ in cutlass.range(cutlass.min(S, k_tiles), unroll=1):
                 pipe.producer_acquire(prod)
@@ -190,44 +193,11 @@ class QuantLoraDown:
                 self.load(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0)
                 prod.advance()
 
-        m_local, half = tidx // 2, tidx % 2                           # this thread: row m_local, values 32·half ...
-        m = bidx * BM + m_local
-        rowmax = cutlass.Float32(0.0)
-        for kl in cutlass.range(k_tiles, unroll=1):
-            kt = k0 + kl
-            pipe.consumer_wait(cons)
-            if cutlass.const_expr(R > 0):
-                cute.nvgpu.warpgroup.fence()
-                for kb in cutlass.range_constexpr(G // 16):                  # (MMA, MMA_M, 16) × (MMA, MMA_N, 16)
-                    cute.gemm(mma, acc, tCrX[None, None, kb, cons.index], tCrW[None, None, kb, cons.index], acc)
-                cute.nvgpu.warpgroup.commit_group()
-            # while the tensor cores run the LoRA step: this thread's 32 values of the group
-            xs, amax = self.load_group(rX, mRecipSmooth, m_local, half, cons.index, kt)
-            if cutlass.const_expr(self.mode == "int4"):
-                self.store_int4(xs, amax, mCodes, mAux, m, M, half, kt)
-            if cutlass.const_expr(self.mode != "int4"):
-                rowmax = cute.arch.fmax(rowmax, amax)
-            if cutlass.const_expr(R > 0):
-                cute.nvgpu.warpgroup.wait_group(0)
-            pipe.consumer_release(cons)
-            cons.advance()
-            if warp == 0 and prod.count < k_tiles:
-                pipe.producer_acquire(prod)
-                bar = pipe.producer_get_barrier(prod)
-                self.load(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0)
-                prod.advance()
-
+        frags = (tCrX, tCrW, tCcC, acc)
         if cutlass.const_expr(self.one_pass):
-            self.finish_in_cluster(st, rX, mRecipSmooth, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles)
+            self.hold_share(st, pipe, rX, mRecipSmooth, outs, mma, frags, k0, k_tiles)
         else:
-            if cutlass.const_expr(R > 0):
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    mm, r = tCcC[i]
-                    if bidx * BM + mm < M:
-                        mLora[kz, bidx * BM + mm, r] = acc[i]
-            if cutlass.const_expr(self.mode == "pg_rowmax"):
-                if m < M and half == 0:
-                    red_max_u32(mAux.iterator + m, rowmax)              # the shuffle gave both halves the same max
+            self.stream_share(loads, (tXgX, tXsX, tWgW, tWsW), pipe, prod, rX, mRecipSmooth, outs, mma, frags, k0, k_tiles)
 
     @cute.jit
     def load(self, tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0):
@@ -235,6 +205,90 @@ class QuantLoraDown:
         cute.copy(tma_x, tXgX[None, k0 + prod.count], tXsX[None, prod.index], tma_bar_ptr=bar)
         if cutlass.const_expr(self.rank > 0):
             cute.copy(tma_w, tWgW[None, k0 + prod.count], tWsW[None, prod.index], tma_bar_ptr=bar)
+
+@patch
+@cute.jit
+def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, mRecipSmooth, outs, mma, frags, k0, k_tiles):
+    """Two passes: the share streams through the ring, each K-block's LoRA step on wgmma while the CUDA cores take its
+    codes (int4) or row maxima (pg_rowmax), warp 0 refilling the stage; then the fp32 partial (and the maxima) out."""
+    BM, R, S = self.tile_m, self.rank, self.stages
+    tma_x, _, tma_w, _ = loads
+    tXgX, tXsX, tWgW, tWsW = tma_parts
+    tCrX, tCrW, tCcC, acc = frags
+    mCodes, mAux, mLora = outs
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, kz, _ = cute.arch.block_idx()
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    M = cute.size(mCodes, mode=[0])
+    cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
+    m_local, half = tidx // 2, tidx % 2                           # this thread: row m_local, values 32·half ...
+    m = bidx * BM + m_local
+    rowmax = cutlass.Float32(0.0)
+    for kl in cutlass.range(k_tiles, unroll=1):
+        kt = k0 + kl
+        pipe.consumer_wait(cons)
+        if cutlass.const_expr(R > 0):
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(G // 16):                  # (MMA, MMA_M, 16) × (MMA, MMA_N, 16)
+                cute.gemm(mma, acc, tCrX[None, None, kb, cons.index], tCrW[None, None, kb, cons.index], acc)
+            cute.nvgpu.warpgroup.commit_group()
+        # while the tensor cores run the LoRA step: this thread's 32 values of the group
+        xs, amax = self.load_group(rX, mRecipSmooth, m_local, half, cons.index, kt)
+        if cutlass.const_expr(self.mode == "int4"):
+            self.store_int4(xs, amax, mCodes, mAux, m, M, half, kt)
+        if cutlass.const_expr(self.mode != "int4"):
+            rowmax = cute.arch.fmax(rowmax, amax)
+        if cutlass.const_expr(R > 0):
+            cute.nvgpu.warpgroup.wait_group(0)
+        pipe.consumer_release(cons)
+        cons.advance()
+        if warp == 0 and prod.count < k_tiles:
+            pipe.producer_acquire(prod)
+            bar = pipe.producer_get_barrier(prod)
+            self.load(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0)
+            prod.advance()
+    if cutlass.const_expr(R > 0):
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            mm, r = tCcC[i]
+            if bidx * BM + mm < M:
+                mLora[kz, bidx * BM + mm, r] = acc[i]
+    if cutlass.const_expr(self.mode == "pg_rowmax"):
+        if m < M and half == 0:
+            red_max_u32(mAux.iterator + m, rowmax)              # the shuffle gave both halves the same max
+
+@patch
+@cute.jit
+def hold_share(self: QuantLoraDown, st, pipe, rX, mRecipSmooth, outs, mma, frags, k0, k_tiles):
+    """One pass: every K-block of the share was issued at once and none is refilled. While they land, the share's
+    `1/smooth` is copied into shared memory; then warpgroup `w` takes K-blocks `w, w + wgs, ...` as each lands: its LoRA
+    step on wgmma (waited on once, after the last) and its row maxima. `finish_in_cluster` does the rest."""
+    R, S = self.rank, self.stages
+    tCrX, tCrW, tCcC, acc = frags
+    tidx, _, _ = cute.arch.thread_idx()
+    wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
+    m_local, half = (tidx % 128) // 2, tidx % 2                   # in its warpgroup: row m_local, values 32·half ...
+    sSm = st.smooth.get_tensor(cute.make_layout((S * G,)))        # the share's 1/smooth
+    if cutlass.const_expr(self.has_smooth):
+        gS, sS = cute.zipped_divide(mRecipSmooth, (4,)), cute.zipped_divide(sSm, (4,))   # ((4), (K/4)), ((4), (S·G/4))
+        v = cute.make_rmem_tensor((4,), cutlass.Float32)
+        for i in cutlass.range(tidx, S * G // 4, self.threads, unroll=1):
+            cute.copy(copy_16b(cutlass.Float32), gS[None, k0 * (G // 4) + i], v)
+            cute.copy(copy_16b(cutlass.Float32), v, sS[None, i])
+    cute.arch.barrier()
+    rowmax = cutlass.Float32(0.0)
+    for j in cutlass.range(wg, k_tiles, self.wgs, unroll=1):
+        pipe.consumer_wait(pipeline.PipelineState(S, j, j, cutlass.Int32(0)))    # stage j's one fill
+        if cutlass.const_expr(R > 0):
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(G // 16):                  # (MMA, MMA_M, 16) × (MMA, MMA_N, 16)
+                cute.gemm(mma, acc, tCrX[None, None, kb, j], tCrW[None, None, kb, j], acc)
+            cute.nvgpu.warpgroup.commit_group()
+        _, amax = self.load_group(rX, sSm, m_local, half, j, j)
+        rowmax = cute.arch.fmax(rowmax, amax)
+    if cutlass.const_expr(R > 0):
+        cute.nvgpu.warpgroup.wait_group(0)
+    self.finish_in_cluster(st, rX, sSm, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles)
+
 
 # %% ../../nbs/08a_quant.ipynb #ae82f985
 @dsl_user_op
@@ -453,44 +507,55 @@ def cluster_sync():
 
 @patch
 @cute.jit
-def finish_in_cluster(self: QuantLoraDown, st, rX, mRecipSmooth, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles):
-    """One pass (mode int4_pg or int8), after the K-loop: the row maxima and the LoRA partials reduced across the
-    cluster through distributed shared memory, then this CTA's codes from the x it holds, the rows' `base` and this
-    CTA's rows of `lora_act`."""
-    BM, RL, ks = self.tile_m, max(self.rank, 16), self.k_splits
+def finish_in_cluster(self: QuantLoraDown, st, rX, sSm, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles):
+    """One pass (mode int4_pg or int8), after the K-loop: the warpgroups' row maxima and LoRA partials combined in
+    shared memory, then reduced across the cluster through distributed shared memory; this CTA's rows of `lora_act`,
+    the rows' `base`, and the codes of the x this CTA holds, each warpgroup those of its K-blocks."""
+    BM, RL, ks, wgs, pg = self.tile_m, max(self.rank, 16), self.k_splits, self.wgs, self.mode == "int4_pg"
     mCodes, mBase, mLoraAct = outs
     tidx, _, _ = cute.arch.thread_idx()
     bidx, kz, _ = cute.arch.block_idx()
-    M = cute.size(mCodes, mode=[0])
-    red = st.red.get_tensor(cute.make_layout((BM,)))
+    wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
+    M, m = cute.size(mCodes, mode=[0]), bidx * BM + m_local
+    red = st.red.get_tensor(cute.make_layout((BM, wgs)))                # (row, warpgroup): their maxima
+    bases = st.bases.get_tensor(cute.make_layout((BM,)))
     part = cute.make_tensor(cute.recast_ptr(st.w.data_ptr(), dtype=cutlass.Float32), cute.make_layout((BM, RL), stride=(RL, 1)))
     if half == 0:
-        red[m_local] = rowmax                                           # the shuffle gave both halves the same max
-    if cutlass.const_expr(self.rank > 0):
-        for i in cutlass.range_constexpr(cute.size(acc)):               # the ring's bytes: every wgmma has been waited on
-            mm, r = tCcC[i]
-            part[mm, r] = acc[i]
+        red[m_local, wg] = rowmax                                       # the shuffle gave both halves the same max
+    cute.arch.barrier()                                                 # every warpgroup's wgmmas are done with the ring
+    for w in cutlass.range_constexpr(wgs if self.rank > 0 else 0):      # so its bytes take the partials, summed in
+        if wg == w:                                                     # warpgroup order
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                mm, r = tCcC[i]
+                part[mm, r] = acc[i] if w == 0 else part[mm, r] + acc[i]
+        cute.arch.barrier()
+    if wg == 0 and half == 0:
+        for w in cutlass.range_constexpr(1, wgs):
+            red[m_local, 0] = cute.arch.fmax(red[m_local, 0], red[m_local, w])
     cluster_sync()
-    row_max = cutlass.Float32(0.0)
-    for s in cutlass.range(ks, unroll=1):
-        row_max = cute.arch.fmax(row_max, ld_cluster_f32(red.iterator.toint() + 4 * m_local, s))
-    base = row_base(row_max, self.mode == "int4_pg")
+    if wg == 0 and half == 0:
+        row_max = cutlass.Float32(0.0)
+        for s in cutlass.range(ks, unroll=1):
+            row_max = cute.arch.fmax(row_max, ld_cluster_f32(red.iterator.toint() + 4 * m_local, s))
+        bases[m_local] = row_base(row_max, pg)
+        if m < M and kz == 0:
+            mBase[m] = bases[m_local]
     if cutlass.const_expr(self.rank > 0):
         self.lora_rows(part, mLoraAct, bidx, kz, M)
-    m = bidx * BM + m_local
+    cute.arch.cluster_arrive()                                          # this CTA's reads of the cluster are done
+    cute.arch.barrier()                                                 # the bases, for every warpgroup
+    base = bases[m_local]
     gC = cute.zipped_divide(mCodes, (1, 4))                             # ((1, 4), (M, K/16)): 16 bytes of codes
-    for j in cutlass.range(k_tiles, unroll=1):
-        xs, amax = self.load_group(rX, mRecipSmooth, m_local, half, j, k0 + j)
-        u, recip = group_scale(amax, base, self.mode == "int4_pg")
+    for j in cutlass.range(wg, k_tiles, wgs, unroll=1):
+        xs, amax = self.load_group(rX, sSm, m_local, half, j, j)
+        u, recip = group_scale(amax, base, pg)
         words = cute.make_rmem_tensor((8,), cutlass.Int32)
-        pack_int8(xs, recip, u, words, self.mode == "int4_pg")
+        pack_int8(xs, recip, u, words, pg)
         wv = cute.zipped_divide(words, (4,))                            # ((4), (2)): two 16-byte stores
         if m < M:
             for c in cutlass.range_constexpr(2):
                 cute.autovec_copy(wv[None, c], gC[(0, None), (m, (k0 + j) * 4 + 2 * half + c)])
-    if m < M and kz == 0 and half == 0:
-        mBase[m] = base
-    cluster_sync()                                                      # no CTA leaves while the cluster reads it
+    cute.arch.cluster_wait()                                            # no CTA leaves while the cluster reads it
 
 @patch
 @cute.jit
