@@ -704,11 +704,12 @@ SMEM_PER_BLOCK = 232448     # bytes of shared memory one CTA may opt into on sm_
 def one_pass_smem(K: int, R: int, cluster: int, elt: int = 2) -> int:
     """Shared memory of the one-pass activation kernel (`QuantLoraDown` mode int4_pg or int8) with `cluster` CTAs per
     row tile: every K-block of a CTA's share (64 rows of x and R rows of lora_downᵀ, 64 wide), its full and empty
-    barriers, each warpgroup's 64 row maxima, the rows' bases, the share's `1/smooth`; the buffers and the whole
-    1024-byte aligned, as the kernel's storage is (at rank 0 one idle 16-row stage of lora_downᵀ)."""
+    barriers, the row maxima of each warpgroup and of each cluster CTA, the share's group maxima, the rows' bases, the
+    share's `1/smooth`, and the cluster's LoRA partials of the CTA's own rows; the buffers and the whole 1024-byte
+    aligned, as the kernel's storage is (at rank 0 one idle 16-row stage of lora_downᵀ)."""
     from w4a4_book.kernels.sm90_quant import QuantLoraDown
     stages, RL, up = K // 64 // cluster, max(R, 16), lambda n: -(-n // 1024) * 1024
-    vectors = 4 * 64 * (QuantLoraDown.HOLD_WARPGROUPS + 1 + stages)
+    vectors = 4 * 64 * (QuantLoraDown.hold_warpgroups(R) + cluster + stages + 1 + stages) + 4 * cluster * -(-64 // cluster) * R
     return up(up(16 * stages) + up(64 * 64 * elt * stages) + up(RL * 64 * elt * (stages if R else 1)) + vectors)
 
 def one_pass_cluster(K: int, R: int, elt: int = 2) -> Optional[int]:
