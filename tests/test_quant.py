@@ -138,8 +138,11 @@ def test_int8_lane_passes_compile_with_exact_arithmetic(mode):
     ptx, _ = gemm.compile_quant(M=300, K=1024, R=32, mode=mode)
     assert not re.search(r"div\.approx", ptx)
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == (4 if mode == "pg_rowmax" else 0)   # the LoRA product rides the first pass
-    per_vector = {"pg_rowmax": 0, "int4_pg": VEC + 1, "int8": VEC}[mode]                 # a rounding per value (and per u)
+    per_vector = {"pg_rowmax": 0, "int4_pg": 1, "int8": 0}[mode]                 # a conversion per u: values round in float32
     assert len(re.findall(r"cvt\.rni\.s32\.f32", ptx)) == per_vector * (1 if mode == "pg_rowmax" else RowCodes.unroll)
+    if mode != "pg_rowmax":    # per value: v·r + ROUNDER and q·u + ROUNDER; per four values: three prmt
+        assert len(re.findall(r"0f4B400000", ptx)) == 2 * VEC * RowCodes.unroll
+        assert len(re.findall(r"prmt\.b32", ptx)) == 3 * VEC // 4 * RowCodes.unroll
     # x from shared memory in four 16-byte loads and 1/smooth in eight; or x, 1/smooth and the LoRA partials from global
     assert len(re.findall(r"ld\.[a-z]+\.v4", ptx)) == (12 if mode == "pg_rowmax" else RowCodes.unroll * 3 + 2)
 
