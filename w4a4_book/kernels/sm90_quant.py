@@ -411,11 +411,13 @@ def pack_int8(xs, r, u, words, pg: cutlass.Constexpr):
 
 # %% ../../nbs/08a_quant.ipynb #c42161a2
 class RowCodes:
-    """The second pass of the int8-lane formats (int4_pg, int8). Code CTAs stream `x` in 16-byte vectors, eight threads
-    to a group of 64, and write each group's int8 `q·u` and each row's `base`; LoRA CTAs after them sum the first
-    pass's fp32 partials, eight consecutive `r` of a row per `lanes` threads, and round once to `lora_act`'s type."""
-    threads = 256
-    unroll = 2            # 16-byte vectors of x per thread, all loaded before any is used (measured: 2 beat 4 and 8)
+    """The second pass of the int8-lane formats (int4_pg, int8). Each warp of the code CTAs takes one row: its `base`
+    once, then its 16-byte vectors 32 at a time (eight lanes to a group of 64), `unroll` of them loaded before any is
+    used, each group's scale computed once by one lane of its eight and shared, the int8 `q·u` stored; LoRA CTAs after
+    them sum the first pass's fp32 partials, eight consecutive `r` of a row per `lanes` threads, and round once to
+    `lora_act`'s type."""
+    threads = 256         # eight rows per code CTA
+    unroll = 4            # vectors per lane loaded before any is used; also the groups whose scales one division serves
 
     def __init__(self, fmt, has_smooth=True, rank=0, k_splits=1):
         if fmt not in ("int4_pg", "int8"): raise ValueError(f"fmt={fmt!r}: the second pass writes int4_pg or int8")
@@ -432,9 +434,9 @@ class RowCodes:
                  mBase: cute.Tensor, mLora: cute.Tensor, mLoraAct: cute.Tensor, stream: cuda.CUstream):
         """mX (M, K) 16-bit; mRecipSmooth (K,) fp32; mRowmax (M,) fp32, each row's max |x/smooth| (the first pass's);
         mCodes (M, K/4) int32, four int8 `q·u` each; mBase (M,) fp32; mLora (k_splits, M, R) fp32; mLoraAct (M, R) 16-bit."""
-        M, K = cute.size(mX, mode=[0]), cute.size(mX, mode=[1])
-        per_cta = self.threads * self.unroll
-        code_ctas = (M * (K // VEC) + per_cta - 1) // per_cta
+        M = cute.size(mX, mode=[0])
+        rows = self.threads // 32
+        code_ctas = (M + rows - 1) // rows
         lora_ctas = (M * (self.rank // VEC) * self.lanes + self.threads - 1) // self.threads
         self.kernel(mX, mRecipSmooth, mRowmax, mCodes, mBase, mLora, mLoraAct, code_ctas).launch(
             grid=(code_ctas + lora_ctas, 1, 1), block=[self.threads, 1, 1], stream=stream)
@@ -450,54 +452,69 @@ class RowCodes:
 
     @cute.jit
     def codes(self, mX, mRecipSmooth, mRowmax, mCodes, mBase):
-        "This thread's `unroll` vectors: loaded together, then each smoothed, its group's amax shared, quantized, stored."
+        """This warp's row, `unroll` vectors a lane per trip: loaded together, smoothed, each group's amax shared by a
+        butterfly; lane `j` of a group's eight computes the scale of the trip's vector `j % unroll` (one division
+        chain for `unroll` groups), a shuffle hands each group its own; quantized and stored."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        lane, U = tidx % 32, self.unroll
+        row = bidx * (self.threads // 32) + cute.arch.make_warp_uniform(cute.arch.warp_idx())
         vpr = cute.size(mX, mode=[1]) // VEC                          # vectors per row; eight make a group
-        total = cute.size(mX, mode=[0]) * vpr
         gC = cute.zipped_divide(mCodes, (1, VEC // 4))              # ((1, 2), (M, K/VEC)): a vector's 8 codes, two words
-        xr, sr = self.load_vectors(mX, mRecipSmooth, bidx, tidx, total, vpr)
-        for u in cutlass.range_constexpr(self.unroll):
-            v = (bidx * self.unroll + u) * self.threads + tidx
-            row, col = v // vpr, v % vpr
-            xs = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-            amax = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(VEC):
-                val = xr[u, j].to(cutlass.Float32)
-                if cutlass.const_expr(self.has_smooth):
-                    val = mul_rn(val, sr[u, j])
-                xs[j] = val
-                amax = cute.arch.fmax(amax, cute.arch.fmax(val, -val))
-            for b in cutlass.range_constexpr(3):                      # every lane, in range or not: the 8 lanes of a group
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << b))
-            if v < total:                                             # a group is wholly in range or wholly out
-                base = row_base(mRowmax[row], self.pg)
-                q_u, r = group_scale(amax, base, self.pg)
-                words = cute.make_rmem_tensor((VEC // 4,), cutlass.Int32)
-                pack_int8(xs, r, q_u, words, self.pg)
-                cute.autovec_copy(words, gC[(0, None), (row, col)])
-                if col == 0:
-                    mBase[row] = base
+        if row < cute.size(mX, mode=[0]):                             # uniform per warp
+            base = row_base(mRowmax[row], self.pg)
+            if lane == 0:
+                mBase[row] = base
+            for t in cutlass.range((vpr + 32 * U - 1) // (32 * U), unroll=1):
+                xs, amax = self.load_vectors(mX, mRecipSmooth, row, t * 32 * U + lane, vpr)
+                mine = amax[0]                                        # the amax whose scale this lane computes
+                for u in cutlass.range_constexpr(1, U):
+                    if (lane % 8) % U == u:
+                        mine = amax[u]
+                q_u, r = group_scale(mine, base, self.pg)
+                for u in cutlass.range_constexpr(U):
+                    src = (lane // 8) * 8 + u                         # the lane of this group that computed vector u's
+                    q_u_u = cute.arch.shuffle_sync(q_u, src)
+                    r_u = cute.arch.shuffle_sync(r, src)
+                    col = t * 32 * U + u * 32 + lane
+                    if col < vpr:                                     # a group is wholly in range or wholly out
+                        words = cute.make_rmem_tensor((VEC // 4,), cutlass.Int32)
+                        pack_int8(cute.slice_(xs, (u, None)), r_u, q_u_u, words, self.pg)
+                        cute.autovec_copy(words, gC[(0, None), (row, col)])
 
     @cute.jit
-    def load_vectors(self, mX, mRecipSmooth, bidx, tidx, total, vpr):
-        "This thread's `unroll` vectors of x and of `1/smooth` (zeros past the end), every load issued before any is used."
-        dt = mX.element_type
+    def load_vectors(self, mX, mRecipSmooth, row, col0, vpr):
+        """Vectors `col0, col0 + 32, ...` (`unroll` of them) of `row`, smoothed to fp32 `(unroll, VEC)`, every load
+        issued before any is used (zeros past the row's end), and each one's group amax, shared by the group's lanes."""
+        dt, U = mX.element_type, self.unroll
         gX = cute.zipped_divide(mX, (1, VEC))                       # ((1, VEC), (M, K/VEC))
         gS = cute.zipped_divide(mRecipSmooth, (VEC,))               # ((VEC), (K/VEC))
-        xr = cute.make_rmem_tensor(cute.make_layout((self.unroll, VEC), stride=(VEC, 1)), dt)
-        sr = cute.make_rmem_tensor(cute.make_layout((self.unroll, VEC), stride=(VEC, 1)), cutlass.Float32)
-        for u in cutlass.range_constexpr(self.unroll):
-            v = (bidx * self.unroll + u) * self.threads + tidx
-            if v < total:
-                cute.copy(copy_16b(dt), gX[(0, None), (v // vpr, v % vpr)], xr[u, None])
+        xr = cute.make_rmem_tensor(cute.make_layout((U, VEC), stride=(VEC, 1)), dt)
+        sr = cute.make_rmem_tensor(cute.make_layout((U, VEC), stride=(VEC, 1)), cutlass.Float32)
+        for u in cutlass.range_constexpr(U):
+            col = col0 + 32 * u
+            if col < vpr:
+                cute.copy(copy_16b(dt), gX[(0, None), (row, col)], xr[u, None])
                 if cutlass.const_expr(self.has_smooth):
-                    cute.copy(copy_16b(cutlass.Float32), gS[None, v % vpr], sr[u, None])
+                    cute.copy(copy_16b(cutlass.Float32), gS[None, col], sr[u, None])
             else:
                 for j in cutlass.range_constexpr(VEC):
                     xr[u, j] = dt(0.0)
                     sr[u, j] = cutlass.Float32(0.0)
-        return xr, sr
+        xs = cute.make_rmem_tensor(cute.make_layout((U, VEC), stride=(VEC, 1)), cutlass.Float32)
+        amax = []
+        for u in cutlass.range_constexpr(U):
+            a = cutlass.Float32(0.0)
+            for j in cutlass.range_constexpr(VEC):
+                v = xr[u, j].to(cutlass.Float32)
+                if cutlass.const_expr(self.has_smooth):
+                    v = mul_rn(v, sr[u, j])
+                xs[u, j] = v
+                a = cute.arch.fmax(a, cute.arch.fmax(v, -v))
+            for b in cutlass.range_constexpr(3):                      # every lane, in range or not: the 8 lanes of a group
+                a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << b))
+            amax.append(a)
+        return xs, amax
 
     @cute.jit
     def lora_sum(self, mLora, mLoraAct, lora_cta):
