@@ -709,7 +709,8 @@ def one_pass_smem(K: int, R: int, cluster: int, elt: int = 2) -> int:
     aligned, as the kernel's storage is (at rank 0 one idle 16-row stage of lora_downᵀ)."""
     from w4a4_book.kernels.sm90_quant import QuantLoraDown
     stages, RL, up = K // 64 // cluster, max(R, 16), lambda n: -(-n // 1024) * 1024
-    vectors = 4 * 64 * (QuantLoraDown.hold_warpgroups(R) + cluster + stages + 1 + stages) + 4 * cluster * -(-64 // cluster) * R
+    per_row = QuantLoraDown.hold_warpgroups(R) + cluster + stages + 1     # row maxima (each warpgroup's, each CTA's), group maxima, base
+    vectors = 4 * 64 * per_row + 4 * stages * 64 + 4 * cluster * -(-64 // cluster) * R   # fp32: those, 1/smooth, the pushed partials
     return up(up(16 * stages) + up(64 * 64 * elt * stages) + up(RL * 64 * elt * (stages if R else 1)) + vectors)
 
 def one_pass_cluster(K: int, R: int, elt: int = 2) -> Optional[int]:
