@@ -23,10 +23,11 @@ from .workloads import ALL_METHODS, BENCH_FORMATS, SHAPE_SETS, bench_problems, d
 # %% auto #0
 __all__ = ['FLOOR_FRACTION', 'VALUE_FORMATS', 'RATIO_PAIRS', 'PG_TARGETS', 'GEOMEAN_M', 'GEOMEAN_R', 'README_RECORDS',
            'LORA_RECORD', 'README_COLUMNS', 'LAYER_README_RECORDS', 'LAYER_README_PATHS', 'PG_README_RECORDS',
-           'PG_README_COLUMNS', 'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record',
-           'recorded_rows', 'bench_table', 'plot_bench', 'speedups', 'ratio_table', 'geomean', 'pg_targets',
-           'target_lines', 'record_line', 'recorded_report', 'large_m', 'readme_table', 'standing', 'lora_line',
-           'layer_readme', 'pg_readme', 'readme_results', 'add_arguments', 'run', 'bench_cli']
+           'PG_README_COLUMNS', 'WAVES_RECORD', 'bench_path', 'save_bench', 'mfu_floors', 'check_floors',
+           'latest_record', 'recorded_rows', 'bench_table', 'plot_bench', 'speedups', 'ratio_table', 'geomean',
+           'pg_targets', 'target_lines', 'record_line', 'recorded_report', 'large_m', 'readme_table', 'standing',
+           'lora_line', 'layer_readme', 'pg_readme', 'waves_line', 'readme_results', 'add_arguments', 'run',
+           'bench_cli']
 
 # %% ../../nbs/09b_report.ipynb #73c5dfaa
 FLOOR_FRACTION = 0.9   # a kernel fails --check below this fraction of its recorded MFU
@@ -345,6 +346,18 @@ def pg_readme(rows: list[dict]) -> str:
             f"{over('torch_bf16')}× its bf16 path with the same LoRA and affine.")
     return markdown_table(table) + "\n\n" + line
 
+WAVES_RECORD = "bench_h200_int4_pg_waves_m4352.json"   # the run after the tile began to fit the waves (chapter 5a)
+
+def waves_line(rows: list[dict]) -> str:
+    "One README line from `WAVES_RECORD`'s rows: the chosen tile against the 256-row one and the stock GEMM, where they differ."
+    t = {(r["method"], r["M"], r["N"], r["K"]): r["median_ms"] for r in rows}
+    moved = [s for m, *s in t if m == "w4a4_pg" and t["w4a4_pg_256", *s] / t["w4a4_pg", *s] > 1.01]
+    over = lambda m: _span([t[m, *s] / t["w4a4_pg", *s] for s in moved])
+    return (f"Since those runs the library's tile fits the waves ([chapter 5a](nbs/05a_gemm.ipynb)): on "
+            f"{' and '.join('×'.join(map(str, s)) for s in sorted(moved))}, where that changes the tile, the int4_pg GEMM "
+            f"runs {over('w4a4_pg_256')}× the table's 256-row tile and {over('cute_int8_gemm')}× the stock INT8 GEMM, "
+            f"both timed in the same run (R = 32).")
+
 def readme_results(folder: str | Path | None = None) -> str:
     "The README's Results section (without its heading), made from `README_RECORDS`, `PG_README_RECORDS` and `LORA_RECORD` in `folder` (default `nbs/data/`)."
     folder = data_dir() if folder is None else Path(folder)
@@ -352,12 +365,13 @@ def readme_results(folder: str | Path | None = None) -> str:
     pg = [(name, *load_record(folder / name)) for name in PG_README_RECORDS]
     rows = [r for _, _, rs in bench for r in rs]
     layer = [(name, *load_record(folder / name)) for name in LAYER_README_RECORDS]
+    waves = [(WAVES_RECORD, *load_record(folder / WAVES_RECORD))]
     lora_prov, lora_rows = load_record(folder / LORA_RECORD)
     prov = bench[0][1]
     return "\n".join([
         "**The exact-integer kernel** ([chapter 5b](nbs/05b_pg.ipynb)): int4_pg weights decoded in registers, int8 activations, "
         "INT8 wgmma over all of K; TFLOP/s of 2·M·N·K, every method of one run per shape set.", "",
-        pg_readme([r for _, _, rs in pg for r in rs]), "",
+        pg_readme([r for _, _, rs in pg for r in rs]), "", waves_line(waves[0][2]), "",
         "**The whole layer** ([chapter 8](nbs/08_layer.ipynb)): the fused activation kernel and the GEMM, microseconds per "
         "forward as CUDA-graph replays, against torch's bf16 layer and its FP8 layer with the activation quantization "
         "fused by `torch.compile`; R = 32, bf16 in and out.", "",
@@ -369,7 +383,7 @@ def readme_results(folder: str | Path | None = None) -> str:
         "[benchmarks chapter](nbs/09_bench.ipynb); the records are in `nbs/data/`.",
         "", readme_table(rows), "", standing(rows), "",
         f"[LoRA accounting](nbs/06_lora_bug.ipynb) (2-CTA pairs, M = 4352, the four layers): {lora_line(lora_rows)}", "",
-        *[f"- {record_line(name, p)}" for name, p, _ in pg + layer + bench], f"- {record_line(LORA_RECORD, lora_prov)}"])
+        *[f"- {record_line(name, p)}" for name, p, _ in pg + waves + layer + bench], f"- {record_line(LORA_RECORD, lora_prov)}"])
 
 # %% ../../nbs/09b_report.ipynb #849a0826
 def add_arguments(p: argparse.ArgumentParser) -> None:
