@@ -146,6 +146,7 @@ MIN_WAVE_FILL = 0.9                              # the share of the SMs' first w
 TILE_CHOICES = {smem.HopperPgConfig: ((256, 2, "smem"), (256, 1, "smem"), (256, 1, "global"), (224, 2, "smem"),
                                       (192, 2, "smem"), (128, 2, "smem"), (64, 2, "smem"))}
 
+@functools.lru_cache(maxsize=4096)     # NOTES: a pure function, on every unbound launch's path: it solves each candidate's budget
 def tile_choice(config, problem, num_sms=None):
     """`config` with the `TILE_CHOICES` tile for `problem` on `num_sms` SMs (default `DEFAULT_NUM_SMS`). Of the tiles
     whose budget keeps `MIN_STAGES` main stages and whose grid fills `MIN_WAVE_FILL` of the SMs, the one of fewest
