@@ -145,6 +145,14 @@ class QuantLoraDown:
         "One pass: rows of the 64-row tile whose `lora_act` one cluster CTA sums (CTA `kz` owns rows `kz, kz + k_splits, ...`)."
         return -(-self.tile_m // self.k_splits)
 
+    def exchange(self, st) -> tuple:
+        """One pass: the views of the cluster's exchange, made in one place: `red` (row, warpgroup), this CTA's row
+        maxima; `red_all` (row, cluster CTA), every CTA's, pushed here; `lora_in` (r, owned row, cluster CTA), the
+        partials of this CTA's rows, pushed here (None at rank 0)."""
+        BM, ks = self.tile_m, self.k_splits
+        lora_in = st.lora_in.get_tensor(cute.make_layout((self.rank, self.owned_rows(), ks))) if self.rank else None
+        return (st.red.get_tensor(cute.make_layout((BM, self.wgs))), st.red_all.get_tensor(cute.make_layout((BM, ks))), lora_in)
+
     def m_modes(self) -> tuple:
         "Each argument's mode of extent M, in `__call__`'s order (None: none): M is a run-time value of the compiled kernel."
         if self.one_pass:
@@ -571,7 +579,7 @@ def finish_in_cluster(self: QuantLoraDown, st, rX, sSm, outs, acc, tCcC, rowmax,
     bidx, kz, _ = cute.arch.block_idx()
     wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
     M, m = cute.size(mCodes, mode=[0]), bidx * BM + m_local
-    red_all = st.red_all.get_tensor(cute.make_layout((BM, ks)))         # (row, cluster CTA): their row maxima
+    _, red_all, _ = self.exchange(st)
     gmax = st.gmax.get_tensor(cute.make_layout((BM, self.stages)))
     bases = st.bases.get_tensor(cute.make_layout((BM,)))
     self.push_to_cluster(st, acc, tCcC, rowmax, m_local, half)
@@ -609,8 +617,7 @@ def push_to_cluster(self: QuantLoraDown, st, acc, tCcC, rowmax, m_local, half):
     tidx, _, _ = cute.arch.thread_idx()
     _, kz, _ = cute.arch.block_idx()
     wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
-    red = st.red.get_tensor(cute.make_layout((BM, wgs)))                # (row, warpgroup): their maxima
-    red_all = st.red_all.get_tensor(cute.make_layout((BM, ks)))
+    red, red_all, lora_in = self.exchange(st)
     part = cute.make_tensor(cute.recast_ptr(st.w.data_ptr(), dtype=cutlass.Float32), cute.make_layout((BM, max(R, 16)), stride=(max(R, 16), 1)))
     if half == 0:
         red[m_local, wg] = rowmax                                       # the shuffle gave both halves the same max
@@ -628,7 +635,6 @@ def push_to_cluster(self: QuantLoraDown, st, acc, tCcC, rowmax, m_local, half):
             mx = cute.arch.fmax(mx, red[i % BM, w])
         st_cluster_f32(red_all.iterator.toint() + 4 * (i % BM + BM * kz), i // BM, mx)
     if cutlass.const_expr(R > 0):
-        lora_in = st.lora_in.get_tensor(cute.make_layout((R, self.owned_rows(), ks)))   # (r, owned row, from CTA)
         for i in cutlass.range(tidx, BM * R, self.threads, unroll=1):   # row mm's partial to its owner, CTA mm % ks
             mm, r = i // R, i % R
             st_cluster_f32(lora_in.iterator.toint() + 4 * cute.crd2idx((r, mm // ks, kz), lora_in.layout), mm % ks, part[mm, r])
@@ -640,7 +646,7 @@ def lora_rows(self: QuantLoraDown, st, mLoraAct, bidx, kz, M):
     of the cluster's partials in CTA order (pushed into `lora_in`), rounded once."""
     BM, R, ks = self.tile_m, self.rank, self.k_splits
     tidx, _, _ = cute.arch.thread_idx()
-    lora_in = st.lora_in.get_tensor(cute.make_layout((R, self.owned_rows(), ks)))
+    lora_in = self.exchange(st)[2]
     per_row = R // VEC
     gO = cute.zipped_divide(mLoraAct, (1, VEC))                          # ((1, VEC), (M, R/VEC))
     for it in cutlass.range(tidx, self.owned_rows() * per_row, self.threads, unroll=1):
