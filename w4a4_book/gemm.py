@@ -650,7 +650,7 @@ class BoundRows:
         (M, K), ks, sig, dev, has_smooth = x.shape, launch["ks"], launch["sig"], x.device, smooth is not None
         self.sm, self.ldt, self.R, self.views = launch["sm"], launch["ldt"], sig[1], {}
         # (dtype, shape) in workspace order: the intermediates, then what a call returns (codes last, the largest)
-        self.buffers = ((torch.int32, (M,)), (torch.float32, (ks, M, max(self.R, 16))), (torch.float32, (M,)),
+        self.buffers = ((torch.float32, (ks, M)), (torch.float32, (ks, M, max(self.R, 16))), (torch.float32, (M,)),
                         *(((x.dtype, (M, self.R)),) if self.R else ()), (torch.int8, (M, K)))
         sizes = [-(-d.itemsize * math.prod(s) // self.ALIGN) * self.ALIGN for d, s in self.buffers]
         self.offsets = tuple(itertools.accumulate(sizes, initial=0))
@@ -658,7 +658,7 @@ class BoundRows:
         meta = [torch.empty(s, dtype=d, device="meta") for d, s in self.buffers]
         rowmax, partial, base, lora_act, codes = self._named(meta)
         first = [x, self.sm, self.ldt, codes.view(torch.int32), rowmax, partial]
-        second = [x, self.sm, rowmax.view(torch.float32), codes.view(torch.int32), base, partial, lora_act]
+        second = [x, self.sm, rowmax, codes.view(torch.int32), base, partial, lora_act]
         self.first = launchable(("rowmax", *sig), dev, _quant_compiler(
             lambda: QuantLoraDown(self.R, stages, has_smooth, ks, mode="pg_rowmax"), QUANT_ARGS, first))
         self.second = launchable((fmt, *sig), dev, _quant_compiler(
@@ -690,9 +690,8 @@ class BoundRows:
 
     def __call__(self, x, workspace: bool = False) -> tuple:
         rowmax, partial, base, lora_act, codes, codes32 = self._tensors(x.device, workspace)
-        rowmax.zero_()                                  # bits of max |x * (1/smooth)|, raised by red.max
-        self.first(x, self.sm, self.ldt, codes32, rowmax, partial)
-        self.second(x, self.sm, rowmax.view(torch.float32), codes32, base, partial, lora_act)
+        self.first(x, self.sm, self.ldt, codes32, rowmax, partial)      # every share's row maxima: nothing to zero
+        self.second(x, self.sm, rowmax, codes32, base, partial, lora_act)
         return codes, base, (lora_act if self.R else None)
 
 def bind_quantize_rows(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM) -> BoundRows:
@@ -763,7 +762,7 @@ def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mo
     lora = ArgSpec("lora", cutlass.Float32, (k_splits, M, RL), (2, 1, 0))
     codes = ArgSpec("codes", cutlass.Int32, (M, K // 8 if mode == "int4" else K // 4), (1, 0))
     if mode in ("int4_pg", "int8"):
-        specs = [x, rs, ArgSpec("rowmax", cutlass.Float32, (M,)), codes, ArgSpec("base", cutlass.Float32, (M,)), lora,
+        specs = [x, rs, ArgSpec("rowmax", cutlass.Float32, (k_splits, M), (1, 0)), codes, ArgSpec("base", cutlass.Float32, (M,)), lora,
                  ArgSpec("lora_act", dt, (M, RL), (1, 0))]
         k = RowCodes(mode, smooth, R, k_splits)
         return compile_on_fakes(k, [s._replace(m_mode=m) for s, m in zip(specs, k.m_modes())], dynamic_m=True)[0], 0
@@ -772,7 +771,7 @@ def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mo
         k = QuantLoraDown(R, K // G // k_splits, smooth, k_splits, mode=mode[len("one_pass_"):])
         specs = [x, rs, ldt, codes, ArgSpec("base", cutlass.Float32, (M,)), ArgSpec("lora_act", dt, (M, RL) if R else (1, 16), (1, 0))]
     else:
-        aux = ArgSpec("scales", dt, (K // G, M), (1, 0)) if mode == "int4" else ArgSpec("rowmax", cutlass.Int32, (M,))
+        aux = ArgSpec("scales", dt, (K // G, M), (1, 0)) if mode == "int4" else ArgSpec("rowmax", cutlass.Float32, (k_splits, M), (1, 0))
         k = QuantLoraDown(R, 4, smooth, k_splits, mode=mode)
         specs = [x, rs, ldt, codes, aux, lora]
     ptx, _ = compile_on_fakes(k, [s._replace(m_mode=m) for s, m in zip(specs, k.m_modes())], dynamic_m=True)

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['G', 'INT4_MIN', 'INT4_MAX', 'MAX_RANK', 'PG_U_MIN', 'PG_U_MAX', 'INT8_MAX', 'FLOAT32_MAX', 'VEC', 'ROUNDER',
            'copy_16b', 'div_rn', 'mul_rn', 'recip_or_zero', 'f32_bits', 'pack4_bytes', 'round_even_i32', 'QuantLoads',
-           'QuantOutputs', 'QuantLoraDown', 'red_max_u32', 'row_base', 'group_scale', 'pack_int8', 'RowCodes',
-           'st_cluster_f32', 'cluster_sync']
+           'QuantOutputs', 'QuantLoraDown', 'row_base', 'group_scale', 'pack_int8', 'RowCodes', 'st_cluster_f32',
+           'cluster_sync']
 
 # %% ../../nbs/08a_quant.ipynb #4256630b
 from typing import NamedTuple
@@ -17,7 +17,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.cutlass_dsl import T, dsl_user_op
-from cutlass._mlir.dialects import llvm, nvvm
+from cutlass._mlir.dialects import llvm
 import cuda.bindings.driver as cuda
 from fastcore.basics import patch
 import w4a4_book.formats as formats
@@ -103,6 +103,7 @@ class QuantLoraDown:
     MODES = ("int4", "pg_rowmax", "int4_pg", "int8")
     MAX_CLUSTER = 16        # CTAs in a cluster: 16 is Hopper's largest (non-portable) cluster
     HOLD_THREADS = 1024     # one pass: warpgroup w of a CTA takes K-blocks w, w + wgs, ... of its share (`hold_warpgroups`)
+    SMOOTH_BLOCKS = 64      # two passes: a share of at most this many K-blocks keeps its 1/smooth in shared memory (16 KB)
 
     def __init__(self, rank, stages=4, has_smooth=True, k_splits=1, mode="int4"):
         if mode not in self.MODES: raise ValueError(f"mode={mode!r}: must be one of {self.MODES}")
@@ -121,10 +122,15 @@ class QuantLoraDown:
         LoRA accumulators (1024 threads leave 64 registers a thread; 512, 128; 256, 255)."""
         return cls.HOLD_THREADS // 128 // (1 if rank <= 32 else 2 if rank <= 128 else 4)
 
+    def smooth_staged(self, K: int) -> bool:
+        """Whether the CTA copies its share's `1/smooth` into shared memory once, for every K-block to read there: always
+        in one pass; in two passes when smoothing and the share is at most `SMOOTH_BLOCKS` K-blocks."""
+        return self.one_pass or (self.has_smooth and K // G // self.k_splits <= self.SMOOTH_BLOCKS)
+
     def make_storage(self, dt, x_l, w_l, K: int):
         """The shared storage: the ring's barriers and stages of x and lora_downᵀ; in one pass also each warpgroup's 64
-        row maxima, every cluster CTA's (pushed here), the share's group maxima, the rows' bases, the share's
-        `1/smooth` and the LoRA partials of this CTA's rows from every cluster CTA (pushed). NOTES: plain Python,
+        row maxima, every cluster CTA's (pushed here), the share's group maxima, the rows' bases and the LoRA partials
+        of this CTA's rows from every cluster CTA (pushed); the share's `1/smooth` where `smooth_staged`. NOTES: plain Python,
         called while tracing: inside the traced `__call__` an `if` would be traced too."""
         S = self.stages
         if self.one_pass and S * self.k_splits != K // G:
@@ -135,10 +141,11 @@ class QuantLoraDown:
         if self.one_pass:
             BM, ks, f32 = self.tile_m, self.k_splits, cutlass.Float32
             fields.update(red=cute.struct.MemRange[f32, BM * self.wgs], red_all=cute.struct.MemRange[f32, BM * ks],
-                          gmax=cute.struct.MemRange[f32, BM * S], bases=cute.struct.MemRange[f32, BM],
-                          smooth=cute.struct.Align[cute.struct.MemRange[f32, S * G], 16])
+                          gmax=cute.struct.MemRange[f32, BM * S], bases=cute.struct.MemRange[f32, BM])
             if self.rank:
                 fields["lora_in"] = cute.struct.MemRange[f32, ks * self.owned_rows() * self.rank]
+        if self.smooth_staged(K):
+            fields["smooth"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, K // self.k_splits], 16]
         return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
     def owned_rows(self) -> int:
@@ -157,14 +164,14 @@ class QuantLoraDown:
         "Each argument's mode of extent M, in `__call__`'s order (None: none): M is a run-time value of the compiled kernel."
         if self.one_pass:
             return (0, None, None, 0, 0, 0 if self.rank else None)
-        return (0, None, None, 0, 1 if self.mode == "int4" else 0, 1)
+        return (0, None, None, 0, 1, 1)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRecipSmooth: cute.Tensor, mLdT: cute.Tensor, mCodes: cute.Tensor,
                  mAux: cute.Tensor, mLora: cute.Tensor, stream: cuda.CUstream):
         """mX (M, K) 16-bit; mRecipSmooth (K,) fp32 = 1/smooth; mLdT (R, K) = lora_downᵀ; mLora (k_splits, M, R) fp32 partials.
         int4: mCodes (M, K/8) int32 (packed INT4 words), mAux (K/64, M) 16-bit scales.
-        pg_rowmax: mAux (M,) uint32, the bits of each row's max |x/smooth| (zeros in, raised with `red.max`); mCodes unused.
+        pg_rowmax: mAux (k_splits, M) fp32, each share's row maxima of |x/smooth| (`RowCodes` takes their max); mCodes unused.
         int4_pg, int8 (one pass): mCodes (M, K/4) int32, four int8 `q·u` each; mAux (M,) fp32 `base`; mLora (M, R)
         16-bit `lora_act` (a stand-in at rank 0); `stages` is each CTA's number of K-blocks, all held at once."""
         BM, R, S = self.tile_m, self.rank, self.stages
@@ -194,6 +201,8 @@ class QuantLoraDown:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, kz, _ = cute.arch.block_idx()                          # row tile, share of K
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if cutlass.const_expr(self.mode == "pg_rowmax"):
+            cute.arch.griddepcontrol_launch_dependents()            # `RowCodes` may launch now: it waits before reading ours
         if warp == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
@@ -230,11 +239,27 @@ class QuantLoraDown:
                 self.load(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0)
                 prod.advance()
 
+        smooth, sk0 = mRecipSmooth, k0             # where `load_group` reads 1/smooth, and the share's first K-block there
+        if cutlass.const_expr(self.smooth_staged(cute.size(gX, mode=[1]))):
+            smooth, sk0 = st.smooth.get_tensor(cute.make_layout((k_tiles * G,))), 0
+            if cutlass.const_expr(self.has_smooth):
+                self.stage_smooth(mRecipSmooth, smooth, k0)       # while the first K-blocks land
+            cute.arch.barrier()
         frags = (tCrX, tCrW, tCcC, acc)
         if cutlass.const_expr(self.one_pass):
-            self.hold_share(st, pipe, rX, mRecipSmooth, outs, mma, frags, k0, k_tiles)
+            self.hold_share(st, pipe, rX, smooth, outs, mma, frags, k0, k_tiles)
         else:
-            self.stream_share(loads, (tXgX, tXsX, tWgW, tWsW), pipe, prod, rX, mRecipSmooth, outs, mma, frags, k0, k_tiles)
+            self.stream_share(loads, (tXgX, tXsX, tWgW, tWsW), pipe, prod, rX, (smooth, sk0), outs, mma, frags, k0, k_tiles)
+
+    @cute.jit
+    def stage_smooth(self, mRecipSmooth, sSm, k0):
+        "`1/smooth` of the share (K-blocks from `k0`) copied into shared memory `sSm`, 16 bytes a thread at a time; the caller syncs."
+        tidx, _, _ = cute.arch.thread_idx()
+        gS, sS = cute.zipped_divide(mRecipSmooth, (4,)), cute.zipped_divide(sSm, (4,))   # ((4), (K/4)), ((4), (share/4))
+        v = cute.make_rmem_tensor((4,), cutlass.Float32)
+        for i in cutlass.range(tidx, cute.size(sSm) // 4, self.threads, unroll=1):
+            cute.copy(copy_16b(cutlass.Float32), gS[None, k0 * (G // 4) + i], v)
+            cute.copy(copy_16b(cutlass.Float32), v, sS[None, i])
 
     @cute.jit
     def load(self, tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0):
@@ -245,14 +270,16 @@ class QuantLoraDown:
 
 @patch
 @cute.jit
-def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, mRecipSmooth, outs, mma, frags, k0, k_tiles):
+def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, smooth, outs, mma, frags, k0, k_tiles):
     """Two passes: the share streams through the ring, each K-block's LoRA step on wgmma while the CUDA cores take its
-    codes (int4) or row maxima (pg_rowmax), warp 0 refilling the stage; then the fp32 partial (and the maxima) out."""
+    codes (int4) or row maxima (pg_rowmax), warp 0 refilling the stage; then the fp32 partial (and the maxima) out.
+    `smooth`: `(1/smooth, index of the share's first K-block in it)`, in shared memory where `smooth_staged`."""
     BM, R, S = self.tile_m, self.rank, self.stages
     tma_x, _, tma_w, _ = loads
     tXgX, tXsX, tWgW, tWsW = tma_parts
     tCrX, tCrW, tCcC, acc = frags
     mCodes, mAux, mLora = outs
+    sSm, sk0 = smooth
     tidx, _, _ = cute.arch.thread_idx()
     bidx, kz, _ = cute.arch.block_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -270,7 +297,7 @@ def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, mRecipSm
                 cute.gemm(mma, acc, tCrX[None, None, kb, cons.index], tCrW[None, None, kb, cons.index], acc)
             cute.nvgpu.warpgroup.commit_group()
         # while the tensor cores run the LoRA step: this thread's 32 values of the group
-        xs, amax = self.load_group(rX, mRecipSmooth, m_local, half, cons.index, kt)
+        xs, amax = self.load_group(rX, sSm, m_local, half, cons.index, sk0 + kl)
         if cutlass.const_expr(self.mode == "int4"):
             self.store_int4(xs, amax, mCodes, mAux, m, M, half, kt)
         if cutlass.const_expr(self.mode != "int4"):
@@ -291,29 +318,21 @@ def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, mRecipSm
                 mLora[kz, bidx * BM + mm, r] = acc[i]
     if cutlass.const_expr(self.mode == "pg_rowmax"):
         if m < M and half == 0:
-            red_max_u32(mAux.iterator + m, rowmax)              # the shuffle gave both halves the same max
+            mAux[kz, m] = rowmax                                # the shuffle gave both halves the same max
 
 @patch
 @cute.jit
-def hold_share(self: QuantLoraDown, st, pipe, rX, mRecipSmooth, outs, mma, frags, k0, k_tiles):
-    """One pass: every K-block of the share was issued at once and none is refilled. While they land, the share's
-    `1/smooth` is copied into shared memory; then warpgroup `w` takes K-blocks `w, w + wgs, ...` as each lands: its LoRA
+def hold_share(self: QuantLoraDown, st, pipe, rX, sSm, outs, mma, frags, k0, k_tiles):
+    """One pass: every K-block of the share was issued at once and none is refilled; while they landed, the share's
+    `1/smooth` was copied into shared memory (`sSm`). Warpgroup `w` takes K-blocks `w, w + wgs, ...` as each lands: its LoRA
     step on wgmma (waited on once, after the last), its group maxima and row maxima. `finish_in_cluster` does the rest."""
     R, S = self.rank, self.stages
     tCrX, tCrW, tCcC, acc = frags
     tidx, _, _ = cute.arch.thread_idx()
     wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
     m_local, half = (tidx % 128) // 2, tidx % 2                   # in its warpgroup: row m_local, values 32·half ...
-    sSm = st.smooth.get_tensor(cute.make_layout((S * G,)))        # the share's 1/smooth
     gmax = st.gmax.get_tensor(cute.make_layout((self.tile_m, S)))  # (row, K-block): the share's group maxima
     cute.arch.cluster_arrive_relaxed()                            # this CTA runs: the cluster may store into it
-    if cutlass.const_expr(self.has_smooth):
-        gS, sS = cute.zipped_divide(mRecipSmooth, (4,)), cute.zipped_divide(sSm, (4,))   # ((4), (K/4)), ((4), (S·G/4))
-        v = cute.make_rmem_tensor((4,), cutlass.Float32)
-        for i in cutlass.range(tidx, S * G // 4, self.threads, unroll=1):
-            cute.copy(copy_16b(cutlass.Float32), gS[None, k0 * (G // 4) + i], v)
-            cute.copy(copy_16b(cutlass.Float32), v, sS[None, i])
-    cute.arch.barrier()
     rowmax = cutlass.Float32(0.0)
     for j in cutlass.range(wg, k_tiles, self.wgs, unroll=1):
         pipe.consumer_wait(pipeline.PipelineState(S, j, j, cutlass.Int32(0)))    # stage j's one fill
@@ -332,12 +351,6 @@ def hold_share(self: QuantLoraDown, st, pipe, rX, mRecipSmooth, outs, mma, frags
 
 
 # %% ../../nbs/08a_quant.ipynb #ae82f985
-@dsl_user_op
-def red_max_u32(ptr, value, *, loc=None, ip=None):
-    "`*ptr = max(*ptr, bits(value))` in global memory (`red.max.u32`); for non-negative floats, the float max."
-    bits = llvm.bitcast(T.i32(), cutlass.Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
-    nvvm.atomicrmw(T.i32(), nvvm.AtomicOpKind.UMAX, ptr.llvm_ptr, bits, loc=loc, ip=ip)
-
 @patch
 @cute.jit
 def load_group(self: QuantLoraDown, rX, mRecipSmooth, m_local, half, stage, kt):
@@ -406,15 +419,17 @@ def group_scale(amax, base, pg: cutlass.Constexpr):
 def pack_int8(xs, r, u, words, pg: cutlass.Constexpr):
     """`xs` as int8 `q·u`, four to each word of `words`: `q = clamp(round(v · r))` to [-8, 7] (int4_pg) or [-127, 127]
     (int8), rounded to even as `cvt.rni` does. NOTES: in float32, with no conversion instruction (`F2I` issues at an
-    eighth of the FP32 rate): `v·r + ROUNDER` rounds to an integer in the low bits, the clamp is on that sum, and
-    `q·u + ROUNDER` (exact: |q·u| ≤ 127) holds `q·u` in its low byte, two's complement; `prmt` packs the bytes."""
+    eighth of the FP32 rate): `t = v·r + ROUNDER` rounds to an integer in the low bits and the clamp is on that sum,
+    so `t = ROUNDER + q` exactly and its bits are `0x4B400000 + q`; the low byte of those bits times `u` is the low
+    byte of `q·u` (that of `0x4B400000·u` is zero), two's complement: one integer multiply (none for int8, `u = 1`)
+    makes the byte, and `prmt` packs four."""
     qmin, qmax = (INT4_MIN, INT4_MAX) if pg else (-INT8_MAX, INT8_MAX)
-    lo, hi, uf = cutlass.Float32(ROUNDER + qmin), cutlass.Float32(ROUNDER + qmax), u.to(cutlass.Float32)
+    lo, hi = cutlass.Float32(ROUNDER + qmin), cutlass.Float32(ROUNDER + qmax)
     for w in cutlass.range_constexpr(cute.size(words)):
         b = []
         for j in cutlass.range_constexpr(4):
             t = cutlass.min(cutlass.max(mul_rn(xs[4 * w + j], r) + cutlass.Float32(ROUNDER), lo), hi)
-            b.append(f32_bits((t - cutlass.Float32(ROUNDER)) * uf + cutlass.Float32(ROUNDER)))
+            b.append(f32_bits(t) * u if pg else f32_bits(t))
         words[w] = pack4_bytes(*b)
 
 # %% ../../nbs/08a_quant.ipynb #c42161a2
@@ -424,7 +439,7 @@ class RowCodes:
     used, each group's scale computed once by one lane of its eight and shared, the int8 `q·u` stored; LoRA CTAs after
     them sum the first pass's fp32 partials, eight consecutive `r` of a row per `lanes` threads, and round once to
     `lora_act`'s type."""
-    threads = 256         # eight rows per code CTA
+    threads = 128         # four rows per code CTA: at 65 registers a thread, 7 CTAs (28 warps) fit an SM, where 3 of 256 threads would
     unroll = 4            # vectors per lane loaded before any is used; also the groups whose scales one division serves
 
     def __init__(self, fmt, has_smooth=True, rank=0, k_splits=1):
@@ -435,19 +450,19 @@ class RowCodes:
 
     def m_modes(self) -> tuple:
         "Each argument's mode of extent M, in `__call__`'s order (None: none; at rank 0 `lora_act` is a stand-in)."
-        return (0, None, 0, 0, 0, 1, 0 if self.rank else None)
+        return (0, None, 1, 0, 0, 1, 0 if self.rank else None)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRecipSmooth: cute.Tensor, mRowmax: cute.Tensor, mCodes: cute.Tensor,
                  mBase: cute.Tensor, mLora: cute.Tensor, mLoraAct: cute.Tensor, stream: cuda.CUstream):
-        """mX (M, K) 16-bit; mRecipSmooth (K,) fp32; mRowmax (M,) fp32, each row's max |x/smooth| (the first pass's);
+        """mX (M, K) 16-bit; mRecipSmooth (K,) fp32; mRowmax (k_splits, M) fp32, the first pass's row maxima of |x/smooth| per share;
         mCodes (M, K/4) int32, four int8 `q·u` each; mBase (M,) fp32; mLora (k_splits, M, R) fp32; mLoraAct (M, R) 16-bit."""
         M = cute.size(mX, mode=[0])
         rows = self.threads // 32
         code_ctas = (M + rows - 1) // rows
         lora_ctas = (M * (self.rank // VEC) * self.lanes + self.threads - 1) // self.threads
         self.kernel(mX, mRecipSmooth, mRowmax, mCodes, mBase, mLora, mLoraAct, code_ctas).launch(
-            grid=(code_ctas + lora_ctas, 1, 1), block=[self.threads, 1, 1], stream=stream)
+            grid=(code_ctas + lora_ctas, 1, 1), block=[self.threads, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mX, mRecipSmooth, mRowmax, mCodes, mBase, mLora, mLoraAct, code_ctas):
@@ -460,21 +475,29 @@ class RowCodes:
 
     @cute.jit
     def codes(self, mX, mRecipSmooth, mRowmax, mCodes, mBase):
-        """This warp's row, `unroll` vectors a lane per trip: loaded together, smoothed, each group's amax shared by a
-        butterfly; lane `j` of a group's eight computes the scale of the trip's vector `j % unroll` (one division
-        chain for `unroll` groups), a shuffle hands each group its own; quantized and stored."""
+        """This warp's row from its end to its start, `unroll` vectors a lane per trip, the next trip's loads issued
+        before this trip's values are used: smoothed, each group's amax shared by a butterfly; lane `j` of a group's
+        eight computes the scale of the trip's vector `j % unroll` (one division chain for `unroll` groups), a shuffle
+        hands each group its own; quantized and stored. NOTES: the first pass's CTAs take the shares of K in order, so
+        the ends of the rows are the x it read last, the part still in L2; and x is not the first pass's output, so the
+        first trip is loaded before `griddepcontrol.wait` (this launch may start while the first pass drains)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane, U = tidx % 32, self.unroll
         row = bidx * (self.threads // 32) + cute.arch.make_warp_uniform(cute.arch.warp_idx())
         vpr = cute.size(mX, mode=[1]) // VEC                          # vectors per row; eight make a group
+        trips = self.trips(cute.size(mX, mode=[1]))
         gC = cute.zipped_divide(mCodes, (1, VEC // 4))              # ((1, 2), (M, K/VEC)): a vector's 8 codes, two words
         if row < cute.size(mX, mode=[0]):                             # uniform per warp
-            base = row_base(mRowmax[row], self.pg)
+            xr = self.load_x(mX, row, (trips - 1) * 32 * U + lane, vpr)
+            cute.arch.griddepcontrol_wait()                           # the first pass's row maxima are final
+            base = self.row_base(mRowmax, row, lane)
             if lane == 0:
                 mBase[row] = base
-            for t in cutlass.range((vpr + 32 * U - 1) // (32 * U), unroll=1):
-                xs, amax = self.load_vectors(mX, mRecipSmooth, row, t * 32 * U + lane, vpr)
+            for i in cutlass.range(trips, unroll=1):
+                col0 = (trips - 1 - i) * 32 * U + lane
+                ahead = self.load_x(mX, row, col0 - 32 * U, vpr)      # the next trip's (none past the row's start)
+                xs, amax = self.smooth(xr, mRecipSmooth, col0, vpr)
                 mine = amax[0]                                        # the amax whose scale this lane computes
                 for u in cutlass.range_constexpr(1, U):
                     if (lane % 8) % U == u:
@@ -484,39 +507,61 @@ class RowCodes:
                     src = (lane // 8) * 8 + u                         # the lane of this group that computed vector u's
                     q_u_u = cute.arch.shuffle_sync(q_u, src)
                     r_u = cute.arch.shuffle_sync(r, src)
-                    col = t * 32 * U + u * 32 + lane
+                    col = col0 + u * 32
                     if col < vpr:                                     # a group is wholly in range or wholly out
                         words = cute.make_rmem_tensor((VEC // 4,), cutlass.Int32)
                         pack_int8(cute.slice_(xs, (u, None)), r_u, q_u_u, words, self.pg)
                         cute.autovec_copy(words, gC[(0, None), (row, col)])
+                cute.autovec_copy(ahead, xr)
+
+    def trips(self, K: int) -> int:
+        "Trips of a warp along a row of `K` values: `unroll` 16-byte vectors a lane."
+        return -(-(K // VEC) // (32 * self.unroll))
 
     @cute.jit
-    def load_vectors(self, mX, mRecipSmooth, row, col0, vpr):
-        """Vectors `col0, col0 + 32, ...` (`unroll` of them) of `row`, smoothed to fp32 `(unroll, VEC)`, every load
-        issued before any is used (zeros past the row's end), and each one's group amax, shared by the group's lanes."""
+    def row_base(self, mRowmax, row, lane):
+        "The row's base (`row_base`) from the first pass's maxima of its shares, in every lane of the warp."
+        row_max = cutlass.Float32(0.0)
+        for s in cutlass.range(lane, self.k_splits, 32, unroll=1):
+            row_max = cute.arch.fmax(row_max, mRowmax[s, row])
+        for b in cutlass.range_constexpr(5):                          # the warp's maximum, in every lane
+            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1 << b))
+        return row_base(row_max, self.pg)
+
+    @cute.jit
+    def load_x(self, mX, row, col0, vpr):
+        "Vectors `col0, col0 + 32, ...` (`unroll` of them) of `row` as loaded, `(unroll, VEC)`; zeros outside the row, not loaded."
         dt, U = mX.element_type, self.unroll
         gX = cute.zipped_divide(mX, (1, VEC))                       # ((1, VEC), (M, K/VEC))
-        gS = cute.zipped_divide(mRecipSmooth, (VEC,))               # ((VEC), (K/VEC))
         xr = cute.make_rmem_tensor(cute.make_layout((U, VEC), stride=(VEC, 1)), dt)
-        sr = cute.make_rmem_tensor(cute.make_layout((U, VEC), stride=(VEC, 1)), cutlass.Float32)
         for u in cutlass.range_constexpr(U):
             col = col0 + 32 * u
-            if col < vpr:
+            if col >= 0 and col < vpr:
                 cute.copy(copy_16b(dt), gX[(0, None), (row, col)], xr[u, None])
-                if cutlass.const_expr(self.has_smooth):
-                    cute.copy(copy_16b(cutlass.Float32), gS[None, col], sr[u, None])
             else:
                 for j in cutlass.range_constexpr(VEC):
                     xr[u, j] = dt(0.0)
-                    sr[u, j] = cutlass.Float32(0.0)
+        return xr
+
+    @cute.jit
+    def smooth(self, xr, mRecipSmooth, col0, vpr):
+        """`xr` (vectors `col0, col0 + 32, ...`) smoothed to fp32 `(unroll, VEC)`, `1/smooth` loaded as each vector is
+        used, and each vector's group amax, shared by the group's lanes."""
+        U = self.unroll
+        gS = cute.zipped_divide(mRecipSmooth, (VEC,))               # ((VEC), (K/VEC))
         xs = cute.make_rmem_tensor(cute.make_layout((U, VEC), stride=(VEC, 1)), cutlass.Float32)
+        sr = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         amax = []
         for u in cutlass.range_constexpr(U):
+            if cutlass.const_expr(self.has_smooth):
+                sr.fill(0.0)
+                if col0 + 32 * u < vpr:
+                    cute.copy(copy_16b(cutlass.Float32), gS[None, col0 + 32 * u], sr)
             a = cutlass.Float32(0.0)
             for j in cutlass.range_constexpr(VEC):
                 v = xr[u, j].to(cutlass.Float32)
                 if cutlass.const_expr(self.has_smooth):
-                    v = mul_rn(v, sr[u, j])
+                    v = mul_rn(v, sr[j])
                 xs[u, j] = v
                 a = cute.arch.fmax(a, cute.arch.fmax(v, -v))
             for b in cutlass.range_constexpr(3):                      # every lane, in range or not: the 8 lanes of a group
@@ -539,6 +584,7 @@ class RowCodes:
         acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         acc.fill(0.0)
         part = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        cute.arch.griddepcontrol_wait()                              # the first pass's partials are final
         if in_range:
             for s in cutlass.range(lane, self.k_splits, self.lanes):
                 cute.copy(copy_16b(cutlass.Float32), gP[(0, 0, None), (s, row, c)], part)
