@@ -522,8 +522,9 @@ class RowCodes:
     def row_base(self, mRowmax, row, lane):
         "The row's base (`row_base`) from the first pass's maxima of its shares, in every lane of the warp."
         row_max = cutlass.Float32(0.0)
-        for s in cutlass.range(lane, self.k_splits, 32, unroll=1):
-            row_max = cute.arch.fmax(row_max, mRowmax[s, row])
+        for j in cutlass.range_constexpr(-(-self.k_splits // 32)):    # unrolled: every load in flight at once (240 shares at M = 256)
+            if lane + 32 * j < self.k_splits:
+                row_max = cute.arch.fmax(row_max, mRowmax[lane + 32 * j, row])
         for b in cutlass.range_constexpr(5):                          # the warp's maximum, in every lane
             row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1 << b))
         return row_base(row_max, self.pg)
