@@ -435,8 +435,9 @@ def pack_int8(xs, r, u, words, pg: cutlass.Constexpr):
 # %% ../../nbs/08a_quant.ipynb #c42161a2
 class RowCodes:
     """The second pass of the int8-lane formats (int4_pg, int8). Each warp of the code CTAs takes one row: its `base`
-    once, then its 16-byte vectors 32 at a time (eight lanes to a group of 64), `unroll` of them loaded before any is
-    used, each group's scale computed once by one lane of its eight and shared, the int8 `q·u` stored; LoRA CTAs after
+    once (from the first pass's maxima of the row's shares), then its 16-byte vectors 32 at a time (eight lanes to a
+    group of 64), from the row's end to its start, `unroll` of them a lane while the next `unroll` load, each group's
+    scale computed once by one lane of its eight and shared, the int8 `q·u` stored; LoRA CTAs after
     them sum the first pass's fp32 partials, eight consecutive `r` of a row per `lanes` threads, and round once to
     `lora_act`'s type."""
     threads = 128         # four rows per code CTA: at 65 registers a thread, 7 CTAs (28 warps) fit an SM, where 3 of 256 threads would
@@ -491,7 +492,7 @@ class RowCodes:
         if row < cute.size(mX, mode=[0]):                             # uniform per warp
             xr = self.load_x(mX, row, (trips - 1) * 32 * U + lane, vpr)
             cute.arch.griddepcontrol_wait()                           # the first pass's row maxima are final
-            base = self.row_base(mRowmax, row, lane)
+            base = self.shares_base(mRowmax, row, lane)
             if lane == 0:
                 mBase[row] = base
             for i in cutlass.range(trips, unroll=1):
@@ -519,7 +520,7 @@ class RowCodes:
         return -(-(K // VEC) // (32 * self.unroll))
 
     @cute.jit
-    def row_base(self, mRowmax, row, lane):
+    def shares_base(self, mRowmax, row, lane):
         "The row's base (`row_base`) from the first pass's maxima of its shares, in every lane of the warp."
         row_max = cutlass.Float32(0.0)
         for j in cutlass.range_constexpr(-(-self.k_splits // 32)):    # unrolled: every load in flight at once (240 shares at M = 256)
