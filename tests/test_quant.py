@@ -143,12 +143,25 @@ def test_int8_lane_passes_compile_with_exact_arithmetic(mode):
     assert len(re.findall(r"div\.rn\.f32", ptx)) == {"pg_rowmax": 0, "int4_pg": 5, "int8": 2}[mode]   # row_base, group_scale: once
     if mode != "pg_rowmax":    # per value: v·r + ROUNDER, and q·u from its bits by one mul.lo (int4_pg) or none; per four values: three prmt
         assert len(re.findall(r"0f4B400000", ptx)) == VEC * RowCodes.unroll
-        assert len(re.findall(r"mul\.lo\.s32", ptx)) == (VEC * RowCodes.unroll if mode == "int4_pg" else 0)
+        assert len(re.findall(r"mul\.lo\.s32", ptx)) == (VEC * RowCodes.unroll if mode == "int4_pg" else 0) + 2   # + a piece's trips
         assert len(re.findall(r"prmt\.b32", ptx)) == 3 * VEC // 4 * RowCodes.unroll
     # x from shared memory in four 16-byte loads and 1/smooth in eight, the share's 1/smooth staged there in one global
-    # load; or x, 1/smooth and the LoRA partials from global (K = 1024 is one trip: no load ahead)
+    # load; or x, 1/smooth and the LoRA partials from global
     assert len(re.findall(r"ld\.shared\.v4", ptx)) == (12 if mode == "pg_rowmax" else 0)
-    assert len(re.findall(r"ld\.global\.v4", ptx)) == (1 if mode == "pg_rowmax" else RowCodes.unroll * 3 + 2)
+    assert len(re.findall(r"ld\.global\.v4", ptx)) == (1 if mode == "pg_rowmax" else RowCodes.unroll * 4 + 2)   # x, x ahead, 1/smooth (two), partials
+
+
+@pytest.mark.parametrize("K", [1024, 3840, 10240, 15360])
+@pytest.mark.parametrize("M", [1, 256, 300, 1024, 4352, 16384])
+def test_row_codes_pieces_cover_each_row_once(M, K):
+    "`RowCodes.per_row` (the kernel computes the same from the run-time M): the pieces cut each row's trips in runs, none empty, none longer than `MAX_TRIPS`, and give `WARPS` code warps unless a row has no more trips to cut."
+    k = RowCodes("int4_pg")
+    trips, n = k.trips(K), k.per_row(M, K)
+    runs = [range(p * trips // n, (p + 1) * trips // n) for p in range(n)]      # as `codes` cuts them
+    assert [t for r in runs for t in r] == list(range(trips)) and all(len(r) for r in runs)
+    assert max(map(len, runs)) <= k.MAX_TRIPS
+    assert M * n >= k.WARPS or n == trips
+    assert n == 1 or M * (n - 1) < k.WARPS or -(-trips // (n - 1)) > k.MAX_TRIPS   # no more pieces than either bound asks
 
 
 def test_row_codes_refuses_what_it_cannot_write():

@@ -434,13 +434,16 @@ def pack_int8(xs, r, u, words, pg: cutlass.Constexpr):
 
 # %% ../../nbs/08a_quant.ipynb #c42161a2
 class RowCodes:
-    """The second pass of the int8-lane formats (int4_pg, int8). Each warp of the code CTAs takes one row: its `base`
-    once (from the first pass's maxima of the row's shares), then its 16-byte vectors 32 at a time (eight lanes to a
+    """The second pass of the int8-lane formats (int4_pg, int8). Each warp of the code CTAs takes one piece of a row
+    (`per_row` pieces to a row, each a run of whole trips): the row's `base` (from the first pass's maxima of the row's
+    shares), then the piece's 16-byte vectors 32 at a time (eight lanes to a
     group of 64), from the row's end to its start, `unroll` of them a lane while the next `unroll` load, each group's
     scale computed once by one lane of its eight and shared, the int8 `q·u` stored; LoRA CTAs after
     them sum the first pass's fp32 partials, eight consecutive `r` of a row per `lanes` threads, and round once to
     `lora_act`'s type."""
-    threads = 128         # four rows per code CTA: at 65 registers a thread, 7 CTAs (28 warps) fit an SM, where 3 of 256 threads would
+    threads = 128         # four pieces per code CTA: at 78 registers a thread, 6 CTAs (24 warps) fit an SM, where 3 of 256 threads would
+    WARPS = 4096          # code warps a launch wants at least (an H200 holds 132 × 24): fewer rows, so more pieces to each row
+    MAX_TRIPS = 5         # trips a piece takes at most: long rows are cut too, so a warp of the last wave has little left
     unroll = 4            # vectors per lane loaded before any is used; also the groups whose scales one division serves
 
     def __init__(self, fmt, has_smooth=True, rank=0, k_splits=1):
@@ -448,6 +451,15 @@ class RowCodes:
         if rank % VEC: raise ValueError(f"rank={rank}: must be a multiple of {VEC}")
         self.pg, self.has_smooth, self.rank, self.k_splits = fmt == "int4_pg", has_smooth, rank, k_splits
         self.lanes = 1 << (min(k_splits, 32).bit_length() - 1)    # threads per LoRA run: a power of two, at most a warp
+
+    def per_row(self, M, K: int):
+        """Pieces each row of `K` values is cut in: enough for `WARPS` code warps, none of more than `MAX_TRIPS` trips,
+        none empty. `M` a Python int (the host's twin) or the kernel's run-time value."""
+        trips = self.trips(K)
+        least, want = -(-trips // self.MAX_TRIPS), (self.WARPS + M - 1) // M     # `least` a Python int: K is static
+        if isinstance(M, int):
+            return min(max(want, least), trips)
+        return cutlass.min(cutlass.max(want, least), trips)
 
     def m_modes(self) -> tuple:
         "Each argument's mode of extent M, in `__call__`'s order (None: none; at rank 0 `lora_act` is a stand-in)."
@@ -460,23 +472,25 @@ class RowCodes:
         mCodes (M, K/4) int32, four int8 `q·u` each; mBase (M,) fp32; mLora (k_splits, M, R) fp32; mLoraAct (M, R) 16-bit."""
         M = cute.size(mX, mode=[0])
         rows = self.threads // 32
-        code_ctas = (M + rows - 1) // rows
+        per_row = self.per_row(M, cute.size(mX, mode=[1]))
+        code_ctas = (M * per_row + rows - 1) // rows
         lora_ctas = (M * (self.rank // VEC) * self.lanes + self.threads - 1) // self.threads
-        self.kernel(mX, mRecipSmooth, mRowmax, mCodes, mBase, mLora, mLoraAct, code_ctas).launch(
+        self.kernel(mX, mRecipSmooth, mRowmax, mCodes, mBase, mLora, mLoraAct, code_ctas, per_row).launch(
             grid=(code_ctas + lora_ctas, 1, 1), block=[self.threads, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
-    def kernel(self, mX, mRecipSmooth, mRowmax, mCodes, mBase, mLora, mLoraAct, code_ctas):
+    def kernel(self, mX, mRecipSmooth, mRowmax, mCodes, mBase, mLora, mLoraAct, code_ctas, per_row):
         bidx, _, _ = cute.arch.block_idx()
         if bidx < code_ctas:                                       # uniform per CTA
-            self.codes(mX, mRecipSmooth, mRowmax, mCodes, mBase)
+            self.codes(mX, mRecipSmooth, mRowmax, mCodes, mBase, per_row)
         if cutlass.const_expr(self.rank > 0):
             if bidx >= code_ctas:
                 self.lora_sum(mLora, mLoraAct, bidx - code_ctas)
 
     @cute.jit
-    def codes(self, mX, mRecipSmooth, mRowmax, mCodes, mBase):
-        """This warp's row from its end to its start, `unroll` vectors a lane per trip, the next trip's loads issued
+    def codes(self, mX, mRecipSmooth, mRowmax, mCodes, mBase, per_row):
+        """This warp's piece of a row (one of `per_row`, the row's trips cut in that many runs; warps take the last
+        piece of every row first) from its end to its start, `unroll` vectors a lane per trip, the next trip's loads issued
         before this trip's values are used: smoothed, each group's amax shared by a butterfly; lane `j` of a group's
         eight computes the scale of the trip's vector `j % unroll` (one division chain for `unroll` groups), a shuffle
         hands each group its own; quantized and stored. NOTES: the first pass's CTAs take the shares of K in order, so
@@ -485,19 +499,21 @@ class RowCodes:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane, U = tidx % 32, self.unroll
-        row = bidx * (self.threads // 32) + cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        vpr = cute.size(mX, mode=[1]) // VEC                          # vectors per row; eight make a group
+        M, vpr = cute.size(mX, mode=[0]), cute.size(mX, mode=[1]) // VEC   # vectors per row; eight make a group
         trips = self.trips(cute.size(mX, mode=[1]))
+        w = bidx * (self.threads // 32) + cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        row, piece = w % M, per_row - 1 - w // M                       # the last pieces first
+        t0, t1 = piece * trips // per_row, (piece + 1) * trips // per_row   # this piece's trips
         gC = cute.zipped_divide(mCodes, (1, VEC // 4))              # ((1, 2), (M, K/VEC)): a vector's 8 codes, two words
-        if row < cute.size(mX, mode=[0]):                             # uniform per warp
-            xr = self.load_x(mX, row, (trips - 1) * 32 * U + lane, vpr)
+        if w < M * per_row:                                           # uniform per warp
+            xr = self.load_x(mX, row, (t1 - 1) * 32 * U + lane, vpr, 0)
             cute.arch.griddepcontrol_wait()                           # the first pass's row maxima are final
             base = self.shares_base(mRowmax, row, lane)
-            if lane == 0:
+            if piece == 0 and lane == 0:
                 mBase[row] = base
-            for i in cutlass.range(trips, unroll=1):
-                col0 = (trips - 1 - i) * 32 * U + lane
-                ahead = self.load_x(mX, row, col0 - 32 * U, vpr)      # the next trip's (none past the row's start)
+            for i in cutlass.range(t1 - t0, unroll=1):
+                col0 = (t1 - 1 - i) * 32 * U + lane
+                ahead = self.load_x(mX, row, col0 - 32 * U, vpr, t0 * 32 * U)   # the next trip's (none before the piece's start)
                 xs, amax = self.smooth(xr, mRecipSmooth, col0, vpr)
                 mine = amax[0]                                        # the amax whose scale this lane computes
                 for u in cutlass.range_constexpr(1, U):
@@ -531,14 +547,14 @@ class RowCodes:
         return row_base(row_max, self.pg)
 
     @cute.jit
-    def load_x(self, mX, row, col0, vpr):
-        "Vectors `col0, col0 + 32, ...` (`unroll` of them) of `row` as loaded, `(unroll, VEC)`; zeros outside the row, not loaded."
+    def load_x(self, mX, row, col0, vpr, lo):
+        "Vectors `col0, col0 + 32, ...` (`unroll` of them) of `row` as loaded, `(unroll, VEC)`; zeros outside `[lo, vpr)`, not loaded."
         dt, U = mX.element_type, self.unroll
         gX = cute.zipped_divide(mX, (1, VEC))                       # ((1, VEC), (M, K/VEC))
         xr = cute.make_rmem_tensor(cute.make_layout((U, VEC), stride=(VEC, 1)), dt)
         for u in cutlass.range_constexpr(U):
             col = col0 + 32 * u
-            if col >= 0 and col < vpr:
+            if col >= lo and col < vpr:
                 cute.copy(copy_16b(dt), gX[(0, None), (row, col)], xr[u, None])
             else:
                 for j in cutlass.range_constexpr(VEC):
