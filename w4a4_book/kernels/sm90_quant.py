@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['G', 'INT4_MIN', 'INT4_MAX', 'MAX_RANK', 'PG_U_MIN', 'PG_U_MAX', 'INT8_MAX', 'FLOAT32_MAX', 'VEC', 'ROUNDER',
-           'copy_16b', 'div_rn', 'mul_rn', 'recip_or_zero', 'f32_bits', 'pack4_bytes', 'round_even_i32', 'QuantLoads',
-           'QuantOutputs', 'QuantLoraDown', 'row_base', 'group_scale', 'pack_int8', 'RowCodes', 'st_cluster_f32',
-           'cluster_sync']
+           'copy_16b', 'div_rn', 'mul_rn', 'recip_or_zero', 'f32_bits', 'pack4_bytes', 'round_even_i32', 'smooth_amax',
+           'QuantLoads', 'QuantOutputs', 'QuantLoraDown', 'row_base', 'group_scale', 'pack_int8', 'RowCodes',
+           'st_cluster_f32', 'cluster_sync']
 
 # %% ../../nbs/08a_quant.ipynb #4256630b
 from typing import NamedTuple
@@ -80,6 +80,20 @@ def round_even_i32(a, *, loc=None, ip=None):
     return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Float32(a).ir_value(loc=loc, ip=ip)], "cvt.rni.s32.f32 $0, $1;",
                                          "=r,f", has_side_effects=False, is_align_stack=False,
                                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+@cute.jit
+def smooth_amax(xv, sv, xs, has_smooth: cutlass.Constexpr):
+    """`xs[j] = xv[j] · sv[j]` in float32, each product correctly rounded (`xv[j]` alone without smoothing), for the
+    values of `xv` (16-bit) and `sv` (`1/smooth`, float32), flat views in one order; returns their max |·|. The rule
+    both passes share, as `quantize(x / smooth)` smooths."""
+    a = cutlass.Float32(0.0)
+    for j in cutlass.range_constexpr(cute.size(xs)):
+        v = xv[j].to(cutlass.Float32)
+        if cutlass.const_expr(has_smooth):
+            v = mul_rn(v, sv[j])
+        xs[j] = v
+        a = cute.arch.fmax(a, cute.arch.fmax(v, -v))
+    return a
 
 # %% ../../nbs/08a_quant.ipynb #ce3b01d4
 @parts.kernel_bundle
@@ -366,13 +380,8 @@ def load_group(self: QuantLoraDown, rX, mRecipSmooth, m_local, half, stage, kt):
     if cutlass.const_expr(self.has_smooth):
         for c in cutlass.range_constexpr(8):
             cute.copy(copy_16b(cutlass.Float32), vS[None, kt * (G // 4) + 8 * half + c], sv[c, None])
-    amax = cutlass.Float32(0.0)
-    for j in cutlass.range_constexpr(32):
-        v = xv[j // VEC, j % VEC].to(cutlass.Float32)
-        if cutlass.const_expr(self.has_smooth):
-            v = mul_rn(v, sv[j // 4, j % 4])
-        xs[j] = v
-        amax = cute.arch.fmax(amax, cute.arch.fmax(v, -v))
+    flat = lambda t: cute.make_tensor(t.iterator, cute.make_layout(32))   # both in memory order: value j of the 32
+    amax = smooth_amax(flat(xv), flat(sv), xs, self.has_smooth)
     amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
     return xs, amax
 
@@ -575,13 +584,7 @@ class RowCodes:
                 sr.fill(0.0)
                 if col0 + 32 * u < vpr:
                     cute.copy(copy_16b(cutlass.Float32), gS[None, col0 + 32 * u], sr)
-            a = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(VEC):
-                v = xr[u, j].to(cutlass.Float32)
-                if cutlass.const_expr(self.has_smooth):
-                    v = mul_rn(v, sr[j])
-                xs[u, j] = v
-                a = cute.arch.fmax(a, cute.arch.fmax(v, -v))
+            a = smooth_amax(cute.slice_(xr, (u, None)), sr, cute.slice_(xs, (u, None)), self.has_smooth)
             for b in cutlass.range_constexpr(3):                      # every lane, in range or not: the 8 lanes of a group
                 a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << b))
             amax.append(a)
