@@ -160,8 +160,8 @@ def quantize_input(self: W4A4Linear, x: torch.Tensor) -> tuple:
 
 @patch
 def quantize_input_fused(self: W4A4Linear, x: torch.Tensor) -> tuple:
-    """The sm90 path's `quantize_input`: one kernel ([`quantize_lora_down`](08a_quant.ipynb)) on `x` cast to the
-    layer's `dtype`; the same codes and scales as `quantize_input` on that cast."""
+    """The sm90 path's `quantize_input`: the activation kernel ([`quantize_lora_down`](08a_quant.ipynb); one pass for
+    int4, two for int4_pg and int8) on `x` cast to the layer's `dtype`; the same codes and scales as `quantize_input` on that cast."""
     return ops.quantize_act_sm90(x, self.smooth, self.lora_down if self.rank else None, self.act_fmt)
 
 @patch(as_prop=True)
