@@ -350,10 +350,9 @@ WAVES_RECORD = "bench_h200_int4_pg_waves_m4352.json"   # the run after the tile 
 
 def waves_line(rows: list[dict]) -> str:
     "One README line from `WAVES_RECORD`'s rows: the chosen tile against the 256-row one and the stock GEMM, where the choice is not 256 rows."
-    from w4a4_book.gemm import default_config
-    from w4a4_book.operands import Problem
+    from w4a4_book.gemm import default_config, example_problem, find_kernel
     t = {(r["method"], r["M"], r["N"], r["K"]): r["median_ms"] for r in rows}
-    chosen = lambda M, N, K: default_config("int4_pg", problem=Problem(M, N, K, 32, scale_dtype=torch.uint8, fmt="int4_pg")).tile_m
+    chosen = lambda M, N, K: default_config("int4_pg", problem=example_problem(find_kernel(fmt="int4_pg"), M, N, K, 32)).tile_m
     moved = [s for m, *s in t if m == "w4a4_pg" and chosen(*s) != 256]
     over = lambda m: _span([t[m, *s] / t["w4a4_pg", *s] for s in moved])
     return (f"Since those runs the library's tile fits the waves ([chapter 5a](nbs/05a_gemm.ipynb)): on "

@@ -450,7 +450,7 @@ class RowCodes:
     scale computed once by one lane of its eight and shared, the int8 `q·u` stored; LoRA CTAs after
     them sum the first pass's fp32 partials, eight consecutive `r` of a row per `lanes` threads, and round once to
     `lora_act`'s type."""
-    threads = 128         # four pieces per code CTA: at 78 registers a thread, 6 CTAs (24 warps) fit an SM, where 3 of 256 threads would
+    threads = 128         # four pieces per code CTA: at 78 registers a thread, 6 CTAs (24 warps) fit an SM
     WARPS = 4096          # code warps a launch wants at least (an H200 holds 132 × 24): fewer rows, so more pieces to each row
     MAX_TRIPS = 5         # trips a piece takes at most: long rows are cut too, so a warp of the last wave has little left
     unroll = 4            # vectors per lane loaded before any is used; also the groups whose scales one division serves
