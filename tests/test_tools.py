@@ -30,6 +30,26 @@ def test_parse_details_csv():
     assert metrics["SpeedOfLight"]["Memory Throughput"] == "n/a"
 
 
+def test_parse_details_of_two_launches():
+    "The activation side's two passes: each launch's metrics apart, in launch order, named by its kernel."
+    second = CSV.splitlines()[2].replace('"0","1"', '"1","1"', 1).replace("w4a4_x", "w4a4_y").replace("61.20", "12.50")
+    launches = ncu_stalls.parse_kernels(CSV + second + "\n")
+    assert [k for k, _ in launches] == ["kernel_cutlass_kernel_w4a4_x", "kernel_cutlass_kernel_w4a4_y"]
+    assert launches[1][1] == {"SchedulerStats": {"Issue Slots Busy (%)": 12.5}}
+    assert ncu_stalls.parse(CSV)[0] == launches[0][1]
+
+
+def test_activation_profile_command():
+    "`--activation` profiles every kernel of the last call (two for int4_pg's passes), and `--one-pass` only with it."
+    a = ncu_stalls.parser().parse_args(["--activation", "--fmt", "int4_pg", "--shape", "4352", "0", "3840", "32", "--out", "x.json"])
+    a.kernel = "activation"
+    cmd = ncu_stalls.ncu_command(a, launches=2)
+    assert cmd[cmd.index("--launch-skip") + 1] == str(2 * ncu_stalls.WARMUP) and cmd[cmd.index("--launch-count") + 1] == "2"
+    assert "--activation" in cmd and "--one-pass" not in cmd
+    with pytest.raises(SystemExit, match="--one-pass: only with --activation"):
+        ncu_stalls.main(["--one-pass", "4", "--out", "x.json"])
+
+
 SOURCE = '''"Kernel Name","kernel_cutlass_kernel_w4a4_x",
 "Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb","stall_selected","stall_long_sb (Not Issued)"
 "0x10","      LDC R1, c[0x0][0x28]","2","8","0","2","0"

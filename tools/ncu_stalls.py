@@ -13,6 +13,13 @@ A role is the code between two `setmaxnreg` instructions, named by the register 
 `WarpRoles` says which); code before the first is `setup`, and a kernel without `setmaxnreg` (v1) is one role,
 `all`.
 
+With `--activation` it profiles the activation side instead, at `M` and `K` of `--shape` (N unused): the kernels
+`gemm.quantize_lora_down` launches for `--fmt` (int4: one; int4_pg and int8: two passes), or with `--one-pass C` the
+one-pass kernel at a cluster of C CTAs (`gemm.quantize_rows_one_pass`); the record holds every kernel's metrics, in
+launch order, with the activation sections below (memory and occupancy as well).
+
+    python tools/ncu_stalls.py --activation --fmt int4_pg --shape 4352 0 3840 32 --out nbs/data/ncu_h200_act_pg_k3840.json
+
 Needs an sm_90 GPU and `ncu` on the PATH. The kernel is launched a few times to warm up; ncu profiles the
 last launch with the sections below (it replays the kernel once per counter pass). The record keeps every
 metric ncu printed, by section, with the provenance of `w4a4_book.records`.
@@ -22,6 +29,8 @@ from pathlib import Path
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats", "InstructionStats",
             "SourceCounters")
+ACT_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats",
+                "Occupancy", "LaunchStats")
 DETAILS = ("--print-details", "all")   # also the metrics behind each section's charts: stall reasons, pipe shares
 WARMUP = 3
 
@@ -34,31 +43,50 @@ def kernel_config(name, fmt="int4", shape=None):
     config = spec.config()
     return spec, (config if shape is None else gemm.tile_choice(config, gemm.example_problem(spec, *shape)))
 
-def child(name, fmt, shape):
-    "Runs inside ncu: build one workload and launch the kernel `name` WARMUP + 1 times."
+def child(name, fmt, shape, activation=False, one_pass=None):
+    "Runs inside ncu: build one workload and launch the kernel `name` (or the activation side) WARMUP + 1 times."
     import torch
     from w4a4_book import gemm
     from w4a4_book.bench.workloads import make_workload
-    _, config = kernel_config(name, fmt, shape)
-    w = make_workload(*shape, fmt=fmt)
-    launch, _ = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=config)
+    if activation:
+        launch, _ = activation_call(fmt, shape, one_pass)
+    else:
+        _, config = kernel_config(name, fmt, shape)
+        w = make_workload(*shape, fmt=fmt)
+        launch, _ = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=config)
     for _ in range(WARMUP + 1):
         launch()
     torch.cuda.synchronize()
 
-def parse(text):
-    "ncu's `--csv` details page as {section: {metric (unit): value}}."
-    rows = list(csv.DictReader(io.StringIO(text[text.index('"ID"'):])))
-    out = {}
-    for r in rows:
+def parse_kernels(text):
+    "ncu's `--csv` details page as a list, one per profiled launch in order: `(kernel name, {section: {metric (unit): value}})`."
+    launches = {}
+    for r in csv.DictReader(io.StringIO(text[text.index('"ID"'):])):
         name = r["Metric Name"] + (f" ({r['Metric Unit']})" if r["Metric Unit"] else "")
         value = r["Metric Value"].replace(",", "")
         try:
             value = float(value)
         except ValueError:
             pass
-        out.setdefault(r["Section Name"], {})[name] = value
-    return out, rows[0]["Kernel Name"] if rows else None
+        kernel, metrics = launches.setdefault(r["ID"], (r["Kernel Name"], {}))
+        metrics.setdefault(r["Section Name"], {})[name] = value
+    return list(launches.values())
+
+def parse(text):
+    "ncu's `--csv` details page of one launch as `({section: {metric (unit): value}}, kernel name)`."
+    launches = parse_kernels(text)
+    return (launches[0][1], launches[0][0]) if launches else ({}, None)
+
+def activation_call(fmt, shape, one_pass=None):
+    """`(call, launches)`: the activation side on seeded inputs of `shape`'s M, K and R, and how many kernels one call
+    launches: `gemm.quantize_lora_down` for `fmt`, or with `one_pass` (a cluster size) `gemm.quantize_rows_one_pass`."""
+    from w4a4_book import gemm
+    from w4a4_book.bench.layer import _activation_inputs
+    M, _, K, R = shape
+    x, smooth, ldt = _activation_inputs(M, K, R)
+    if one_pass:
+        return (lambda: gemm.quantize_rows_one_pass(x, smooth, ldt, fmt=fmt, cluster=one_pass)), 1
+    return (lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt)), (1 if fmt == "int4" else 2)
 
 def parse_source(text):
     "ncu's `--page source --csv --print-source sass` as a list of per-instruction dicts (numbers as floats)."
@@ -130,12 +158,20 @@ def parser():
     ap.add_argument("--shape", nargs=4, type=int, default=[4352, 3072, 3840, 32], metavar=("M", "N", "K", "R"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--roles", action="store_true", help="per-role samples from the source page (see the docstring)")
+    ap.add_argument("--activation", action="store_true", help="profile the activation side's kernels (see the docstring)")
+    ap.add_argument("--one-pass", type=int, default=None, metavar="C", help="with --activation: the one-pass kernel, a cluster of C")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 def main(argv=None):
     "Profile the kernel `argv` names and save the record; with `--child`, be the process ncu profiles."
     a = parser().parse_args(argv)
+    if a.one_pass is not None and not a.activation:
+        sys.exit("--one-pass: only with --activation")
+    if a.activation:                                          # no GEMM kernel: the activation side's own kernels
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        a.kernel = "activation"
+        return child(a.kernel, a.fmt, a.shape, True, a.one_pass) if a.child else activation_main(a)
     spec, config = kernel_config(a.kernel, a.fmt, a.shape)   # an unknown name or format fails here, naming it
     a.kernel = spec.kernel
     if a.child:
@@ -173,10 +209,31 @@ def _out_arg(out: Path) -> str:
         return f"nbs/data/{out.name}"
 
 
-def ncu_command(a, *options):
-    "ncu with `options`, profiling the last of this script's child launches for `a.kernel` and `a.shape`."
-    return ["ncu", "--kernel-name", "regex:kernel_cutlass_kernel_w4a4", "--launch-skip", str(WARMUP), "--launch-count", "1",
-            *options, sys.executable, __file__, "--child", "--kernel", a.kernel, "--fmt", a.fmt, "--shape", *map(str, a.shape), "--out", "-"]
+def ncu_command(a, *options, launches=1):
+    """ncu with `options`, profiling the last of this script's child calls for `a.kernel` and `a.shape` (or the
+    activation side's), a call being `launches` kernel launches."""
+    extra = ["--activation"] * a.activation + (["--one-pass", str(a.one_pass)] if a.one_pass else [])
+    return ["ncu", "--kernel-name", "regex:kernel_cutlass_kernel_w4a4", "--launch-skip", str(WARMUP * launches),
+            "--launch-count", str(launches), *options, sys.executable, __file__, "--child", "--kernel", a.kernel, "--fmt", a.fmt,
+            "--shape", *map(str, a.shape), *extra, "--out", "-"]
+
+def activation_main(a):
+    "`--activation`: profile one call of the activation side (every kernel it launches) and save the record."
+    launches = 1 if a.one_pass or a.fmt == "int4" else 2
+    res = subprocess.run(ncu_command(a, "--csv", "--page", "details", *[x for s in ACT_SECTIONS for x in ("--section", s)],
+                                     *DETAILS, launches=launches), capture_output=True, text=True)
+    if res.returncode or '"ID"' not in res.stdout:
+        sys.exit(f"ncu failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    kernels = parse_kernels(res.stdout)
+    from w4a4_book.records import provenance, save_record
+    ncu_version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    opts = ["--activation", "--fmt", a.fmt, *(["--one-pass", str(a.one_pass)] if a.one_pass else []), "--shape", *map(str, a.shape)]
+    command = "python tools/ncu_stalls.py " + shlex.join([*opts, "--out", _out_arg(a.out)])
+    prov = provenance(command, [a.shape], kind="ncu-activation", fmt=a.fmt, one_pass=a.one_pass, ncu=ncu_version,
+                      sections=list(ACT_SECTIONS), kernels=[k for k, _ in kernels])
+    rows = [dict(launch=i, kernel=k, section=s, metric=m, value=v)
+            for i, (k, metrics) in enumerate(kernels) for s, d in metrics.items() for m, v in d.items()]
+    print(f"saved {save_record(a.out, prov, rows)}")
 
 def launched_ctas(kern, M, N):
     "CTAs the kernel object `kern` launches for an `M`×`N` output: one per tile (v1), or its persistent scheduler's grid (v2)."
