@@ -203,7 +203,7 @@ def test_one_compiled_kernel_per_pass_serves_every_m(fmt):
 
 ONE_PASS_CASES = [  # M (tails included), K, R, dtype, smooth, cluster
     (1, 1024, 32, torch.bfloat16, True, 2), (300, 1024, 128, torch.bfloat16, True, 4), (257, 3840, 0, torch.float16, False, 6),
-    (4352, 3840, 32, torch.bfloat16, True, None), (1000, 1024, 256, torch.bfloat16, True, 8), (513, 15360, 32, torch.bfloat16, True, 16),
+    (4352, 3840, 32, torch.bfloat16, True, None), (1000, 2048, 128, torch.bfloat16, True, 8), (513, 15360, 32, torch.bfloat16, True, 16),
 ]
 
 
@@ -211,7 +211,8 @@ ONE_PASS_CASES = [  # M (tails included), K, R, dtype, smooth, cluster
 @pytest.mark.parametrize("fmt", ["int4_pg", "int8"])
 @pytest.mark.parametrize("M, K, R, dt, smooth, cluster", ONE_PASS_CASES)
 def test_one_pass_exact_against_quantize(fmt, M, K, R, dt, smooth, cluster):
-    "The one-pass kernel (a cluster per row tile) writes `quantize(x / smooth, fmt)` bit for bit, and lora_act to its rounding."
+    """The one-pass kernel (persistent clusters, as many as run at once) writes `quantize(x / smooth, fmt)` bit for bit,
+    and lora_act to its rounding."""
     x, lam, down = int8_lane_case(M, K, R, dt, smooth, 2)
     ldt = down.T.contiguous() if R else None
     codes, base, lora_act = gemm.quantize_rows_one_pass(x, lam, ldt, fmt=fmt, cluster=cluster)
@@ -221,13 +222,26 @@ def test_one_pass_exact_against_quantize(fmt, M, K, R, dt, smooth, cluster):
         assert torch.equal(again, lora_act)                          # a fixed order of summation: the same every run
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("clusters", [0, 1, 3])
+def test_one_pass_walks_row_tiles(clusters):
+    """Whatever the clusters launched (0: one per row tile; 1: one cluster walks all 70 tiles, every stage refilled 69
+    times, each exchange buffer's two copies reused 35 times), the outputs are the same, bit for bit."""
+    x, lam, down = int8_lane_case(4470, 1024, 32, torch.bfloat16, True, 3)
+    ldt = down.T.contiguous()
+    got = gemm.quantize_rows_one_pass(x, lam, ldt, fmt="int4_pg", cluster=4, clusters=clusters)
+    check_int8_lanes(*got, x, lam, down, "int4_pg")
+    want = gemm.quantize_rows_one_pass(x, lam, ldt, fmt="int4_pg", cluster=4)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_one_pass_smem_is_the_kernels_and_bad_clusters_are_refused():
     "`one_pass_smem` is the kernel's storage, byte for byte; a cluster that cannot hold its shares is refused before a launch."
     for K, R, c, fmt in [(3840, 32, 6, "int4_pg"), (3840, 0, 4, "int8"), (1024, 128, 2, "int4_pg")]:
         ptx, smem = gemm.compile_quant(M=300, K=K, R=R, k_splits=c, mode=f"one_pass_{fmt}")
         assert "mapa.shared::cluster" in ptx and "barrier.cluster.arrive" in ptx and not re.search(r"div\.approx", ptx)
         assert smem == gemm.one_pass_smem(K, R, c), (K, R, c, smem)
-    assert (gemm.one_pass_cluster(3840, 32), gemm.one_pass_cluster(15360, 32), gemm.one_pass_cluster(10240, 128)) == (4, 15, None)
+    assert (gemm.one_pass_cluster(3840, 32), gemm.one_pass_cluster(15360, 32), gemm.one_pass_cluster(10240, 128)) == (4, 16, None)
     assert gemm.compile_quant(M=4352, K=3840, R=32, k_splits=10, mode="pg_rowmax")[1] == 52224   # two passes: no cluster, no maxima
     with pytest.raises(ValueError, match="one pass holds all K/64=60 K-blocks"):
         gemm.compile_quant(M=4352, K=3840, R=32, k_splits=10, mode="pg_rowmax") and QuantLoraDown(32, 5, True, 10, mode="int4_pg").make_storage(None, None, None, 3840)
@@ -237,3 +251,6 @@ def test_one_pass_smem_is_the_kernels_and_bad_clusters_are_refused():
             gemm.quantize_rows_one_pass(x, fmt="int4_pg", cluster=bad)
     with pytest.raises(ValueError, match="fmt: 'int4': one pass writes int4_pg or int8"):
         gemm.quantize_rows_one_pass(x, fmt="int4")
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="clusters: "):
+            gemm.quantize_rows_one_pass(x, fmt="int4_pg", clusters=bad)

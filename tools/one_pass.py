@@ -1,5 +1,6 @@
 """Time the int8-lane activation side (int4_pg and int8) at M = 256 and 4352 in one pass
-(`gemm.quantize_rows_one_pass`, a cluster per row tile, at every cluster that fits) against the two passes (`gemm.quantize_lora_down`), as CUDA-graph replays with the copy
+(`gemm.quantize_rows_one_pass` at every cluster that fits, both one cluster per row tile and persistent: as many
+clusters as the GPU runs at once, walking the row tiles) against the two passes (`gemm.quantize_lora_down`), as CUDA-graph replays with the copy
 bandwidth of the same run, check that both write the same codes and bases (and how far apart their `lora_act` are: the two sum the LoRA partials
 in different orders), and save a record.
 
@@ -23,7 +24,11 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--m", type=int, nargs="*", default=None, help="only these M (default: 256 and 4352)")
+    ap.add_argument("--fmt", nargs="*", default=None, help="only these formats (default: int4_pg and int8)")
     a = ap.parse_args(argv)
+    shapes = [s for s in SHAPES if a.m is None or s[0] in a.m]
+    formats = [f for f in FORMATS if a.fmt is None or f in a.fmt]
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import torch
     from w4a4_book import gemm
@@ -32,17 +37,19 @@ def main(argv=None):
     from w4a4_book.kernels.sm90_quant import QuantLoraDown
     from w4a4_book.records import provenance, save_record
     copy, rows, R, skipped = copy_bandwidth(), [], a.rank, {}
-    for (M, K), fmt in ((s, f) for s in SHAPES for f in FORMATS):
+    for (M, K), fmt in ((s, f) for s in shapes for f in formats):
         x, smooth, ldt = _activation_inputs(M, K, R)
         act, lora_act = gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt)
         splits = gemm.k_splits(-(-M // 64), K // 64, gemm.sm_count(torch.cuda.current_device()))
         runs = [("two_pass", None, lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt), activation_bytes(M, K, R, fmt, splits))]
         for c in range(2, QuantLoraDown.MAX_CLUSTER + 1):
             if (K // 64) % c == 0 and gemm.one_pass_smem(K, R, c) <= gemm.SMEM_PER_BLOCK:
-                runs.append(("one_pass", c, lambda c=c: gemm.quantize_rows_one_pass(x, smooth, ldt, fmt=fmt, cluster=c),
-                             one_pass_bytes(M, K, R)))
+                for method, n in (("one_pass", 0), ("one_pass_persistent", None)):
+                    runs.append((method, c, lambda c=c, n=n: gemm.quantize_rows_one_pass(x, smooth, ldt, fmt=fmt, cluster=c, clusters=n),
+                                 one_pass_bytes(M, K, R)))
         for method, c, call, nbytes in runs:
             name = f"{fmt} {M}x{K} {method} cluster {c}"
+            launched = None if c is None else (gemm.active_clusters(x.device.index, c) if method == "one_pass_persistent" else -(-M // 64))
             try:
                 out = call()
             except Exception as e:              # recorded as skipped, with the reason, and the run goes on
@@ -54,14 +61,15 @@ def main(argv=None):
             lora_diff = 0.0 if c is None or lora_act is None else (out[2].float() - lora_act.float()).abs().max().item()
             t = time_cuda(call, warmup=10, iters=a.iters, graph=True)
             bw = nbytes / (t["median_ms"] * 1e-3)
-            rows.append(dict(method=method, fmt=fmt, M=M, K=K, R=R, cluster=c, k_splits=splits if c is None else c,
+            rows.append(dict(method=method, fmt=fmt, M=M, K=K, R=R, cluster=c, clusters=launched, k_splits=splits if c is None else c,
                              bytes=nbytes, **t, timing="graph", bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy,
                              same_codes=same, lora_act_max_diff=lora_diff))
-            print(f"{name}: {t['median_ms'] * 1e3:.1f} us, {bw / 1e12:.2f} TB/s = {bw / copy:.0%} of copy"
+            print(f"{name} ({launched} clusters): {t['median_ms'] * 1e3:.1f} us, {bw / 1e12:.2f} TB/s = {bw / copy:.0%} of copy"
                   f"{'' if same else ', CODES DIFFER'}", flush=True)
     command = f"python tools/one_pass.py --out nbs/data/{a.out.name}" + (f" --rank {R}" if R != 32 else "") + \
-              (f" --iters {a.iters}" if a.iters != 50 else "")
-    prov = provenance(command, [list(s) for s in SHAPES], kind="activation_one_pass", rank=R, formats=list(FORMATS), skipped=skipped)
+              (f" --iters {a.iters}" if a.iters != 50 else "") + (f" --m {' '.join(map(str, a.m))}" if a.m else "") + \
+              (f" --fmt {' '.join(a.fmt)}" if a.fmt else "")
+    prov = provenance(command, [list(s) for s in shapes], kind="activation_one_pass", rank=R, formats=formats, skipped=skipped)
     print(f"saved {save_record(a.out, prov, rows)}")
 
 

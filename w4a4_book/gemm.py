@@ -35,7 +35,7 @@ __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FI
            'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4',
            'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quant_specs', 'constant',
            'quantize_lora_down', 'stream_workspace', 'BoundRows', 'bind_quantize_rows', 'one_pass_smem',
-           'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
+           'one_pass_cluster', 'active_clusters', 'quantize_rows_one_pass', 'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -704,13 +704,15 @@ SMEM_PER_BLOCK = 232448     # bytes of shared memory one CTA may opt into on sm_
 def one_pass_smem(K: int, R: int, cluster: int, elt: int = 2) -> int:
     """Shared memory of the one-pass activation kernel (`QuantLoraDown` mode int4_pg or int8) with `cluster` CTAs per
     row tile: every K-block of a CTA's share (64 rows of x and R rows of lora_downᵀ, 64 wide), its full and empty
-    barriers, the row maxima of each warpgroup and of each cluster CTA, the share's group maxima, the rows' bases, the
-    share's `1/smooth`, and the cluster's LoRA partials of the CTA's own rows; the buffers and the whole 1024-byte
-    aligned, as the kernel's storage is (at rank 0 one idle 16-row stage of lora_downᵀ)."""
+    barriers, the row maxima of each warpgroup and of each cluster CTA (two copies), the share's group maxima, the
+    rows' bases, the share's `1/smooth`, the cluster's LoRA partials of the CTA's own rows (two copies) and the CTA's
+    partial of its 64 rows; the buffers and the whole 1024-byte aligned, as the kernel's storage is (at rank 0 one
+    idle 16-row stage of lora_downᵀ)."""
     from w4a4_book.kernels.sm90_quant import QuantLoraDown
     stages, RL, up = K // 64 // cluster, max(R, 16), lambda n: -(-n // 1024) * 1024
-    per_row = QuantLoraDown.hold_warpgroups(R) + cluster + stages + 1     # row maxima (each warpgroup's, each CTA's), group maxima, base
-    vectors = 4 * 64 * per_row + 4 * stages * 64 + 4 * cluster * -(-64 // cluster) * R   # fp32: those, 1/smooth, the pushed partials
+    per_row = QuantLoraDown.hold_warpgroups(R) + 2 * cluster + stages + 1     # row maxima (each warpgroup's, each CTA's), group maxima, base
+    pushed = 2 * cluster * -(-64 // cluster) * R                              # the LoRA partials pushed to the CTA, two copies
+    vectors = 4 * (64 * per_row + stages * 64 + pushed + 64 * R)              # fp32: those, 1/smooth, the CTA's own partial
     return up(up(16 * stages) + up(64 * 64 * elt * stages) + up(RL * 64 * elt * (stages if R else 1)) + vectors)
 
 def one_pass_cluster(K: int, R: int, elt: int = 2) -> Optional[int]:
@@ -719,11 +721,27 @@ def one_pass_cluster(K: int, R: int, elt: int = 2) -> Optional[int]:
     return next((c for c in range(2, QuantLoraDown.MAX_CLUSTER + 1)
                  if (K // 64) % c == 0 and one_pass_smem(K, R, c, elt) <= SMEM_PER_BLOCK), None)
 
-def quantize_rows_one_pass(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", cluster=None) -> tuple:
+_ACTIVE_CLUSTERS: dict = {}
+
+def active_clusters(device_index: int, cluster: int) -> int:
+    """How many clusters of `cluster` CTAs, one CTA filling an SM, the GPU runs at once (a cluster's CTAs share one
+    GPC), asked of the driver once per device and size (`cutlass.utils.HardwareInfo`): the persistent one-pass grid."""
+    key = (device_index, cluster)
+    if key not in _ACTIVE_CLUSTERS:
+        import cutlass.utils
+        with torch.cuda.device(device_index):
+            torch.cuda.init()
+            torch.empty(1, device=f"cuda:{device_index}")                    # the context HardwareInfo asks in
+            _ACTIVE_CLUSTERS[key] = cutlass.utils.HardwareInfo(device_index).get_max_active_clusters(cluster)
+    return _ACTIVE_CLUSTERS[key]
+
+def quantize_rows_one_pass(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", cluster=None, clusters=None) -> tuple:
     """`quantize_lora_down`'s result for an int8-lane `fmt` (int4_pg, int8) in one pass over `x`: the `cluster` CTAs
     of a 64-row tile (a divisor of K/64 from 2 to 16; default `one_pass_cluster`) are one cluster that holds its
     shares of x in shared memory and reduces the row maxima and the LoRA partials on chip (`QuantLoraDown` mode
-    `fmt`). Returns `(codes, base, lora_act)`, `lora_act` None without `lora_down_t`."""
+    `fmt`). `clusters`: how many clusters to launch, each walking the row tiles and loading its next tile's K-blocks
+    while it writes this tile's codes; default the clusters the GPU runs at once (`active_clusters`); 0: one per row tile.
+    Returns `(codes, base, lora_act)`, `lora_act` None without `lora_down_t`."""
     from w4a4_book.kernels.sm90_quant import QuantLoraDown, G, MAX_RANK
     if fmt not in ("int4_pg", "int8"): fail(ValueError, "fmt", f"{fmt!r}: one pass writes int4_pg or int8")
     M, K, R = operands.check_quant_inputs(x, smooth, lora_down_t, group_size=G, max_rank=MAX_RANK, device=False)
@@ -732,13 +750,16 @@ def quantize_rows_one_pass(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", c
             or one_pass_smem(K, R, c) > SMEM_PER_BLOCK:
         fail(ValueError, "cluster", f"{c!r}: must divide K/64={K // G}, lie in [2, {QuantLoraDown.MAX_CLUSTER}] and fit "
                                     f"K/64/cluster K-blocks in {SMEM_PER_BLOCK} bytes of shared memory")
+    if clusters is not None and (not isinstance(clusters, int) or isinstance(clusters, bool) or clusters < 0):
+        fail(ValueError, "clusters", f"{clusters!r}: must be None (as many as run at once), 0 (one per row tile) or a positive int")
     operands.check_devices({"x": x, "smooth": smooth, "lora_down_t": lora_down_t}, (9, 0), first="x")
     dev, w = x.device, _weight_side(x, smooth, lora_down_t)
     codes = torch.empty(M, K, dtype=torch.int8, device=dev)
     base = torch.empty(M, dtype=torch.float32, device=dev)
     lora_act = _lora_out(M, R, x.dtype, dev)
-    key = ("one pass", fmt, K, R, x.dtype, smooth is not None, c)
-    _launch_quant(key, lambda: QuantLoraDown(R, K // G // c, smooth is not None, c, mode=fmt),
+    n = active_clusters(dev.index, c) if clusters is None else clusters
+    key = ("one pass", fmt, K, R, x.dtype, smooth is not None, c, n)
+    _launch_quant(key, lambda: QuantLoraDown(R, K // G // c, smooth is not None, c, mode=fmt, clusters=n),
                   [x, w["sm"], w["ldt"], codes.view(torch.int32), base, lora_act], ONE_PASS_ARGS)
     return codes, base, (lora_act if R else None)
 
@@ -747,11 +768,12 @@ ONE_PASS_ARGS = ("x", "recip_smooth", "lora_down_t", "codes", "base", "lora_act"
 QUANT_MODES = ("int4", "pg_rowmax", "int4_pg", "int8", "one_pass_int4_pg", "one_pass_int8")
 # `compile_quant`: QuantLoraDown's two-pass modes, RowCodes's two formats, QuantLoraDown's one-pass formats
 
-def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mode="int4"):
+def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mode="int4", clusters=0):
     """PTX and shared-memory bytes of one activation kernel compiled for sm_90a on fake tensors (no GPU needed), M a
     run-time value as on the GPU:
     `QuantLoraDown` in `mode` "int4" or "pg_rowmax", the second pass `RowCodes` of format "int4_pg" or "int8", or the
-    one-pass kernel of "one_pass_int4_pg" or "one_pass_int8" (a cluster of `k_splits` CTAs). Returns `(ptx, shared
+    one-pass kernel of "one_pass_int4_pg" or "one_pass_int8" (a cluster of `k_splits` CTAs, `clusters` of them
+    persistent, or 0: one per row tile). Returns `(ptx, shared
     memory bytes)`, 0 bytes for `RowCodes`."""
     import cutlass
     from w4a4_book.kernels.sm90_parts import ArgSpec
@@ -768,7 +790,7 @@ def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mo
         return compile_on_fakes(k, [s._replace(m_mode=m) for s, m in zip(specs, k.m_modes())], dynamic_m=True)[0], 0
     ldt = ArgSpec("lora_down_t", dt, (RL, K), (1, 0))
     if mode.startswith("one_pass_"):
-        k = QuantLoraDown(R, K // G // k_splits, smooth, k_splits, mode=mode[len("one_pass_"):])
+        k = QuantLoraDown(R, K // G // k_splits, smooth, k_splits, mode=mode[len("one_pass_"):], clusters=clusters)
         specs = [x, rs, ldt, codes, ArgSpec("base", cutlass.Float32, (M,)), ArgSpec("lora_act", dt, (M, RL) if R else (1, 16), (1, 0))]
     else:
         aux = ArgSpec("scales", dt, (K // G, M), (1, 0)) if mode == "int4" else ArgSpec("rowmax", cutlass.Float32, (k_splits, M), (1, 0))

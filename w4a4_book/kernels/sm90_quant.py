@@ -119,9 +119,14 @@ class QuantLoraDown:
     HOLD_THREADS = 1024     # one pass: warpgroup w of a CTA takes K-blocks w, w + wgs, ... of its share (`hold_warpgroups`)
     SMOOTH_BLOCKS = 64      # two passes: a share of at most this many K-blocks keeps its 1/smooth in shared memory (16 KB)
 
-    def __init__(self, rank, stages=4, has_smooth=True, k_splits=1, mode="int4"):
+    REFILL_BARRIER = 1      # one pass: named barriers 1 .. wgs, warpgroup w's before it refills its stages (0 is the CTA's)
+
+    def __init__(self, rank, stages=4, has_smooth=True, k_splits=1, mode="int4", clusters=0):
+        """`clusters` (one pass): the most clusters launched, each walking the row tiles `c, c + clusters, ...`
+        (persistent); 0: one cluster per row tile."""
         if mode not in self.MODES: raise ValueError(f"mode={mode!r}: must be one of {self.MODES}")
         self.rank, self.stages, self.has_smooth, self.k_splits, self.mode = rank, stages, has_smooth, k_splits, mode
+        self.clusters = clusters
         self.w_stages = stages if rank else 1      # rank 0: one idle 16-row stage keeps the code uniform
         self.one_pass = mode in ("int4_pg", "int8")
         self.wgs = self.hold_warpgroups(rank) if self.one_pass else 1
@@ -129,6 +134,8 @@ class QuantLoraDown:
         if self.one_pass and not (1 <= k_splits <= self.MAX_CLUSTER and stages >= 2):
             raise ValueError(f"k_splits={k_splits}, stages={stages}: one pass holds a cluster of at most "
                              f"{self.MAX_CLUSTER} CTAs, each with all (at least two) of its K-blocks")
+        if clusters < 0 or (clusters and not self.one_pass):
+            raise ValueError(f"clusters={clusters}: a persistent grid is for one pass, and at least one cluster")
 
     @classmethod
     def hold_warpgroups(cls, rank: int) -> int:
@@ -143,8 +150,9 @@ class QuantLoraDown:
 
     def make_storage(self, dt, x_l, w_l, K: int):
         """The shared storage: the ring's barriers and stages of x and lora_downᵀ; in one pass also each warpgroup's 64
-        row maxima, every cluster CTA's (pushed here), the share's group maxima, the rows' bases and the LoRA partials
-        of this CTA's rows from every cluster CTA (pushed); the share's `1/smooth` where `smooth_staged`. NOTES: plain Python,
+        row maxima, every cluster CTA's (pushed here), the share's group maxima, the rows' bases, the LoRA partials
+        of this CTA's rows from every cluster CTA (pushed; these two pushed buffers in two copies, by the tile's parity)
+        and the CTA's LoRA partial of its 64 rows (`part`); the share's `1/smooth` where `smooth_staged`. NOTES: plain Python,
         called while tracing: inside the traced `__call__` an `if` would be traced too."""
         S = self.stages
         if self.one_pass and S * self.k_splits != K // G:
@@ -154,10 +162,11 @@ class QuantLoraDown:
                       w=cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(w_l)], 1024])
         if self.one_pass:
             BM, ks, f32 = self.tile_m, self.k_splits, cutlass.Float32
-            fields.update(red=cute.struct.MemRange[f32, BM * self.wgs], red_all=cute.struct.MemRange[f32, BM * ks],
+            fields.update(red=cute.struct.MemRange[f32, BM * self.wgs], red_all=cute.struct.MemRange[f32, 2 * BM * ks],
                           gmax=cute.struct.MemRange[f32, BM * S], bases=cute.struct.MemRange[f32, BM])
             if self.rank:
-                fields["lora_in"] = cute.struct.MemRange[f32, ks * self.owned_rows() * self.rank]
+                fields["lora_in"] = cute.struct.MemRange[f32, 2 * ks * self.owned_rows() * self.rank]
+                fields["part"] = cute.struct.MemRange[f32, BM * self.rank]
         if self.smooth_staged(K):
             fields["smooth"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, K // self.k_splits], 16]
         return cute.struct(type("Storage", (), {"__annotations__": fields}))
@@ -166,13 +175,16 @@ class QuantLoraDown:
         "One pass: rows of the 64-row tile whose `lora_act` one cluster CTA sums (CTA `kz` owns rows `kz, kz + k_splits, ...`)."
         return -(-self.tile_m // self.k_splits)
 
-    def exchange(self, st) -> tuple:
+    def exchange(self, st, parity) -> tuple:
         """One pass: the views of the cluster's exchange, made in one place: `red` (row, warpgroup), this CTA's row
         maxima; `red_all` (row, cluster CTA), every CTA's, pushed here; `lora_in` (r, owned row, cluster CTA), the
-        partials of this CTA's rows, pushed here (None at rank 0)."""
+        partials of this CTA's rows, pushed here (None at rank 0); the last two the copies of a tile of `parity`."""
         BM, ks = self.tile_m, self.k_splits
-        lora_in = st.lora_in.get_tensor(cute.make_layout((self.rank, self.owned_rows(), ks))) if self.rank else None
-        return (st.red.get_tensor(cute.make_layout((BM, self.wgs))), st.red_all.get_tensor(cute.make_layout((BM, ks))), lora_in)
+        lora_in = None
+        if cutlass.const_expr(self.rank > 0):
+            lora_in = st.lora_in.get_tensor(cute.make_layout((self.rank, self.owned_rows(), ks, 2)))[None, None, None, parity]
+        red_all = st.red_all.get_tensor(cute.make_layout((BM, ks, 2)))[None, None, parity]
+        return st.red.get_tensor(cute.make_layout((BM, self.wgs))), red_all, lora_in
 
     def m_modes(self) -> tuple:
         "Each argument's mode of extent M, in `__call__`'s order (None: none): M is a run-time value of the compiled kernel."
@@ -203,9 +215,13 @@ class QuantLoraDown:
 
         self.storage = self.make_storage(dt, x_l, w_l, cute.size(mX, mode=[1]))
         self.tx = (BM + R) * G * dt.width // 8                             # bytes that land in one stage
+        self.x_tx = BM * G * dt.width // 8                                 # one pass: a refill, x only
         M = cute.size(mX, mode=[0])
+        grid_m = (M + BM - 1) // BM                                        # row tiles; one pass: clusters walking them
+        if cutlass.const_expr(self.clusters > 0):
+            grid_m = cutlass.min(grid_m, self.clusters)
         self.kernel(QuantLoads(tma_x, gX, tma_w, gW), mRecipSmooth, QuantOutputs(mCodes, mAux, mLora), mma, x_l, w_l).launch(
-            grid=((M + BM - 1) // BM, self.k_splits, 1), block=[self.threads, 1, 1], stream=stream,
+            grid=(grid_m, self.k_splits, 1), block=[self.threads, 1, 1], stream=stream,
             **({"cluster": [1, self.k_splits, 1]} if self.one_pass else {}))        # two passes: no cluster
 
     @cute.kernel
@@ -230,8 +246,8 @@ class QuantLoraDown:
         # the same bytes without the swizzle, for the CUDA cores: 128-byte rows, 16-byte chunks at chunk ^ (row % 8)
         rX = cute.make_tensor(st.x.data_ptr(), cute.make_layout((BM, G, S), stride=(G, 1, BM * G)))
         sW = st.w.get_tensor(w_l.outer, swizzle=w_l.inner)          # (R, G, S)
-        tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
-                                                      cute.group_modes(cute.local_tile(gX, (BM, G), (bidx, None)), 0, 2))
+        tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),   # (TMA, S)
+                                                      cute.group_modes(cute.local_tile(gX, (BM, G), (None, None)), 0, 2))  # (TMA, M/BM, K/G)
         tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
                                                       cute.group_modes(cute.local_tile(gW, (max(R, 16), G), (0, None)), 0, 2))
         thr = mma.get_slice(tidx % 128)                             # this thread's place in its warpgroup
@@ -250,7 +266,7 @@ class QuantLoraDown:
             for _ in cutlass.range(cutlass.min(S, k_tiles), unroll=1):
                 pipe.producer_acquire(prod)
                 bar = pipe.producer_get_barrier(prod)
-                self.load(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0)
+                self.load(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, bidx, k0)
                 prod.advance()
 
         smooth, sk0 = mRecipSmooth, k0             # where `load_group` reads 1/smooth, and the share's first K-block there
@@ -261,7 +277,7 @@ class QuantLoraDown:
             cute.arch.barrier()
         frags = (tCrX, tCrW, tCcC, acc)
         if cutlass.const_expr(self.one_pass):
-            self.hold_share(st, pipe, rX, smooth, outs, mma, frags, k0, k_tiles)
+            self.hold_share(st, pipe, (tma_x, tXgX, tXsX), rX, smooth, outs, mma, frags, k0, k_tiles)
         else:
             self.stream_share(loads, (tXgX, tXsX, tWgW, tWsW), pipe, prod, rX, (smooth, sk0), outs, mma, frags, k0, k_tiles)
 
@@ -276,9 +292,9 @@ class QuantLoraDown:
             cute.copy(copy_16b(cutlass.Float32), v, sS[None, i])
 
     @cute.jit
-    def load(self, tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0):
-        "Warp 0: TMA K-block `k0 + prod.count` of x (and of lora_downᵀ) into stage `prod.index`."
-        cute.copy(tma_x, tXgX[None, k0 + prod.count], tXsX[None, prod.index], tma_bar_ptr=bar)
+    def load(self, tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, tile, k0):
+        "Warp 0: TMA K-block `k0 + prod.count` of row tile `tile` of x (and of lora_downᵀ) into stage `prod.index`."
+        cute.copy(tma_x, tXgX[None, tile, k0 + prod.count], tXsX[None, prod.index], tma_bar_ptr=bar)
         if cutlass.const_expr(self.rank > 0):
             cute.copy(tma_w, tWgW[None, k0 + prod.count], tWsW[None, prod.index], tma_bar_ptr=bar)
 
@@ -323,7 +339,7 @@ def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, smooth, 
         if warp == 0 and prod.count < k_tiles:
             pipe.producer_acquire(prod)
             bar = pipe.producer_get_barrier(prod)
-            self.load(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0)
+            self.load(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, bidx, k0)
             prod.advance()
     if cutlass.const_expr(R > 0):
         for i in cutlass.range_constexpr(cute.size(acc)):
@@ -336,32 +352,41 @@ def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, smooth, 
 
 @patch
 @cute.jit
-def hold_share(self: QuantLoraDown, st, pipe, rX, sSm, outs, mma, frags, k0, k_tiles):
-    """One pass: every K-block of the share was issued at once and none is refilled; while they landed, the share's
-    `1/smooth` was copied into shared memory (`sSm`). Warpgroup `w` takes K-blocks `w, w + wgs, ...` as each lands: its LoRA
-    step on wgmma (waited on once, after the last), its group maxima and row maxima. `finish_in_cluster` does the rest."""
+def hold_share(self: QuantLoraDown, st, pipe, refill, rX, sSm, outs, mma, frags, k0, k_tiles):
+    """One pass: the CTA walks the row tiles `bidx, bidx + gridDim.x, ...`, every K-block of its share of a tile in a
+    stage of its own. The first tile's were issued at once; a later tile's block j is loaded into stage j as soon as
+    this tile's codes of it are written (`refill_stage`), so a stage's fills alternate the parity of its full
+    barrier's phase. While the first tile landed, the share's `1/smooth` was copied into shared memory (`sSm`).
+    Warpgroup `w` takes K-blocks `w, w + wgs, ...` as each lands: its LoRA step on wgmma (waited on once, after the
+    last), its group maxima and row maxima. `finish_in_cluster` does the rest of the tile."""
     R, S = self.rank, self.stages
     tCrX, tCrW, tCcC, acc = frags
     tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
     wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
     m_local, half = (tidx % 128) // 2, tidx % 2                   # in its warpgroup: row m_local, values 32·half ...
     gmax = st.gmax.get_tensor(cute.make_layout((self.tile_m, S)))  # (row, K-block): the share's group maxima
+    tiles = (cute.size(outs[0], mode=[0]) + self.tile_m - 1) // self.tile_m  # row tiles of the codes (M, K/4)
     cute.arch.cluster_arrive_relaxed()                            # this CTA runs: the cluster may store into it
-    rowmax = cutlass.Float32(0.0)
-    for j in cutlass.range(wg, k_tiles, self.wgs, unroll=1):
-        pipe.consumer_wait(pipeline.PipelineState(S, j, j, cutlass.Int32(0)))    # stage j's one fill
+    for tile in cutlass.range(bidx, tiles, grid, unroll=1):
+        fill = (tile - bidx) // grid                              # this tile is every stage's fill number `fill`
+        acc.fill(0.0)
+        rowmax = cutlass.Float32(0.0)
+        for j in cutlass.range(wg, k_tiles, self.wgs, unroll=1):
+            pipe.consumer_wait(pipeline.PipelineState(S, j, j, fill % 2))
+            if cutlass.const_expr(R > 0):
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range_constexpr(G // 16):              # (MMA, MMA_M, 16) × (MMA, MMA_N, 16)
+                    cute.gemm(mma, acc, tCrX[None, None, kb, j], tCrW[None, None, kb, j], acc)
+                cute.nvgpu.warpgroup.commit_group()
+            _, amax = self.load_group(rX, sSm, m_local, half, j, j)
+            rowmax = cute.arch.fmax(rowmax, amax)
+            if half == 0:
+                gmax[m_local, j] = amax                                    # the shuffle gave both halves the same max
         if cutlass.const_expr(R > 0):
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(G // 16):                  # (MMA, MMA_M, 16) × (MMA, MMA_N, 16)
-                cute.gemm(mma, acc, tCrX[None, None, kb, j], tCrW[None, None, kb, j], acc)
-            cute.nvgpu.warpgroup.commit_group()
-        _, amax = self.load_group(rX, sSm, m_local, half, j, j)
-        rowmax = cute.arch.fmax(rowmax, amax)
-        if half == 0:
-            gmax[m_local, j] = amax                                        # the shuffle gave both halves the same max
-    if cutlass.const_expr(R > 0):
-        cute.nvgpu.warpgroup.wait_group(0)
-    self.finish_in_cluster(st, rX, sSm, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles)
+            cute.nvgpu.warpgroup.wait_group(0)
+        self.finish_in_cluster(st, pipe, refill, rX, sSm, outs, acc, tCcC, rowmax, (m_local, half), (tile, tiles, fill), k0, k_tiles)
 
 
 # %% ../../nbs/08a_quant.ipynb #ae82f985
@@ -636,20 +661,24 @@ def cluster_sync():
 
 @patch
 @cute.jit
-def finish_in_cluster(self: QuantLoraDown, st, rX, sSm, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles):
-    """One pass (mode int4_pg or int8), after the K-loop: the warpgroups' row maxima and LoRA partials combined in
+def finish_in_cluster(self: QuantLoraDown, st, pipe, refill, rX, sSm, outs, acc, tCcC, rowmax, row, walk, k0, k_tiles):
+    """One pass (mode int4_pg or int8), after a tile's K-loop: the warpgroups' row maxima and LoRA partials combined in
     shared memory and pushed to the cluster (`push_to_cluster`); after one cluster barrier every CTA reads only its
     own shared memory: the rows' `base`, this CTA's rows of `lora_act`, and the codes of the x it holds, each
-    warpgroup those of its K-blocks."""
+    warpgroup those of its K-blocks, refilling each stage with the next tile's block as soon as it is read.
+    `row`: this thread's `(m_local, half)`; `walk`: `(tile, tiles, fill)`, the tile, the row tiles and the tile's fill."""
     BM, ks, wgs, pg = self.tile_m, self.k_splits, self.wgs, self.mode == "int4_pg"
     mCodes, mBase, mLoraAct = outs
-    bidx, kz, _ = cute.arch.block_idx()
+    m_local, half = row
+    tile, tiles, fill = walk
+    grid, _, _ = cute.arch.grid_dim()
+    _, kz, _ = cute.arch.block_idx()
     wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
-    M, m = cute.size(mCodes, mode=[0]), bidx * BM + m_local
-    _, red_all, _ = self.exchange(st)
+    M, m = cute.size(mCodes, mode=[0]), tile * BM + m_local
+    _, red_all, _ = self.exchange(st, fill % 2)
     gmax = st.gmax.get_tensor(cute.make_layout((BM, self.stages)))
     bases = st.bases.get_tensor(cute.make_layout((BM,)))
-    self.push_to_cluster(st, acc, tCcC, rowmax, m_local, half)
+    self.push_to_cluster(st, acc, tCcC, rowmax, m_local, half, fill)
     cluster_sync()                                                      # every push has landed
     if wg == 0 and half == 0:
         row_max = cutlass.Float32(0.0)
@@ -659,7 +688,7 @@ def finish_in_cluster(self: QuantLoraDown, st, rX, sSm, outs, acc, tCcC, rowmax,
         if m < M and kz == 0:
             mBase[m] = bases[m_local]
     if cutlass.const_expr(self.rank > 0):
-        self.lora_rows(st, mLoraAct, bidx, kz, M)
+        self.lora_rows(st, mLoraAct, tile, kz, M, fill % 2)
     cute.arch.barrier()                                                 # the bases, for every warpgroup
     base = bases[m_local]
     gC = cute.zipped_divide(mCodes, (1, 4))                             # ((1, 4), (M, K/16)): 16 bytes of codes
@@ -672,30 +701,54 @@ def finish_in_cluster(self: QuantLoraDown, st, rX, sSm, outs, acc, tCcC, rowmax,
         if m < M:
             for c in cutlass.range_constexpr(2):
                 cute.autovec_copy(wv[None, c], gC[(0, None), (m, (k0 + j) * 4 + 2 * half + c)])
+        if tile + grid < tiles:
+            self.refill_stage(pipe, refill, tile + grid, k0, j)
 
 @patch
 @cute.jit
-def push_to_cluster(self: QuantLoraDown, st, acc, tCcC, rowmax, m_local, half):
-    """Each warpgroup's row maxima, then its LoRA partial added in warpgroup order (into the ring's bytes: every
-    wgmma was waited on), are combined in shared memory; then CTA `kz` stores its 64 row maxima into slot `kz` of
-    every cluster CTA's `red_all`, and each row's partial into slot `kz` of the `lora_in` of the CTA owning the row.
-    NOTES: stores to the cluster need no reply, where loads would wait one round trip each."""
+def refill_stage(self: QuantLoraDown, pipe, refill, tile, k0, j):
+    """One pass: once every thread of its warpgroup has read stage `j` for the last time (a named barrier), the
+    warpgroup's first warp loads K-block `k0 + j` of row tile `tile` into it: x only, since lora_downᵀ's share stays
+    from the first tile. NOTES: the stage's full barrier takes this arrival and these bytes as its next phase; its
+    empty barrier is never waited on after the first fill, since the named barrier already says the stage is free.
+    A whole warp issues the copy: the TMA copy elects its thread with `elect.sync` over the full warp, which one
+    thread alone must not execute (it hung the GPU when the copy sat under `tidx % 128 == 0`)."""
+    tma_x, tXgX, tXsX = refill
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    cute.arch.barrier(barrier_id=self.REFILL_BARRIER + warp // 4, number_of_threads=128)
+    if warp % 4 == 0:
+        bar = pipe.sync_object_full.get_barrier(j)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.x_tx)
+        cute.copy(tma_x, tXgX[None, tile, k0 + j], tXsX[None, j], tma_bar_ptr=bar)
+
+@patch
+@cute.jit
+def push_to_cluster(self: QuantLoraDown, st, acc, tCcC, rowmax, m_local, half, fill):
+    """Each warpgroup's row maxima, then its LoRA partial added in warpgroup order (into `part`), are combined in
+    shared memory; then CTA `kz` stores its 64 row maxima into slot `kz` of every cluster CTA's `red_all`, and each
+    row's partial into slot `kz` of the `lora_in` of the CTA owning the row, both in the copies of the tile's parity
+    (`fill % 2`): a CTA running a tile ahead stores into the other copy, and two tiles ahead it cannot be, since
+    every tile ends at a cluster barrier. NOTES: stores to the cluster need no reply, where loads would wait one
+    round trip each."""
     BM, R, ks, wgs = self.tile_m, self.rank, self.k_splits, self.wgs
     tidx, _, _ = cute.arch.thread_idx()
     _, kz, _ = cute.arch.block_idx()
     wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
-    red, red_all, lora_in = self.exchange(st)
-    part = cute.make_tensor(cute.recast_ptr(st.w.data_ptr(), dtype=cutlass.Float32), cute.make_layout((BM, max(R, 16)), stride=(max(R, 16), 1)))
+    red, red_all, lora_in = self.exchange(st, fill % 2)
     if half == 0:
         red[m_local, wg] = rowmax                                       # the shuffle gave both halves the same max
-    cute.arch.barrier()                                                 # every warpgroup's wgmmas are done with the ring
-    for w in cutlass.range_constexpr(wgs if R > 0 else 0):
-        if wg == w:
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                mm, r = tCcC[i]
-                part[mm, r] = acc[i] if w == 0 else part[mm, r] + acc[i]
-        cute.arch.barrier()
-    cute.arch.cluster_wait()                                            # every CTA of the cluster has started
+    cute.arch.barrier()
+    if cutlass.const_expr(R > 0):
+        part = st.part.get_tensor(cute.make_layout((BM, R), stride=(R, 1)))
+        for w in cutlass.range_constexpr(wgs):
+            if wg == w:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    mm, r = tCcC[i]
+                    part[mm, r] = acc[i] if w == 0 else part[mm, r] + acc[i]
+            cute.arch.barrier()
+    if fill == 0:
+        cute.arch.cluster_wait()                                        # every CTA of the cluster has started
     for i in cutlass.range(tidx, BM * ks, self.threads, unroll=1):      # row i % BM to CTA i // BM
         mx = red[i % BM, 0]
         for w in cutlass.range_constexpr(1, wgs):
@@ -708,18 +761,18 @@ def push_to_cluster(self: QuantLoraDown, st, acc, tCcC, rowmax, m_local, half):
 
 @patch
 @cute.jit
-def lora_rows(self: QuantLoraDown, st, mLoraAct, bidx, kz, M):
-    """CTA `kz`'s rows of the row tile's `lora_act`: rows `kz, kz + k_splits, ...`, eight `r` per thread, each the sum
-    of the cluster's partials in CTA order (pushed into `lora_in`), rounded once."""
+def lora_rows(self: QuantLoraDown, st, mLoraAct, tile, kz, M, parity):
+    """CTA `kz`'s rows of row tile `tile`'s `lora_act`: rows `kz, kz + k_splits, ...`, eight `r` per thread, each the sum
+    of the cluster's partials in CTA order (pushed into `lora_in`'s copy `parity`), rounded once."""
     BM, R, ks = self.tile_m, self.rank, self.k_splits
     tidx, _, _ = cute.arch.thread_idx()
-    lora_in = self.exchange(st)[2]
+    lora_in = self.exchange(st, parity)[2]
     per_row = R // VEC
     gO = cute.zipped_divide(mLoraAct, (1, VEC))                          # ((1, VEC), (M, R/VEC))
     for it in cutlass.range(tidx, self.owned_rows() * per_row, self.threads, unroll=1):
         slot, c = it // per_row, it % per_row
         mm = kz + ks * slot
-        if mm < BM and bidx * BM + mm < M:
+        if mm < BM and tile * BM + mm < M:
             acc8 = cute.make_rmem_tensor((VEC,), cutlass.Float32)
             acc8.fill(0.0)
             for s in cutlass.range(ks, unroll=1):
@@ -727,5 +780,5 @@ def lora_rows(self: QuantLoraDown, st, mLoraAct, bidx, kz, M):
                     acc8[e] = acc8[e] + lora_in[c * VEC + e, slot, s]
             out = cute.make_rmem_tensor((VEC,), mLoraAct.element_type)
             out.store(acc8.load().to(mLoraAct.element_type))
-            cute.copy(copy_16b(mLoraAct.element_type), out, gO[(0, None), (bidx * BM + mm, c)])
+            cute.copy(copy_16b(mLoraAct.element_type), out, gO[(0, None), (tile * BM + mm, c)])
 
