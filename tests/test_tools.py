@@ -108,9 +108,13 @@ def test_int4_pg_kernel_and_roles():
 
 @pytest.mark.parametrize("path", list_records("ncu"), ids=lambda p: p.name)
 def test_recorded_commands_still_parse(path):
-    "Every ncu record's command, written with `--version` before the registry, parses to the kernel its `version` field names."
+    """Every ncu record's command, written with `--version` before the registry, parses to the kernel its `version` field
+    names; an activation profile's, to the format and one-pass cluster its record names."""
     prov, _ = load_record(path)
     args = ncu_stalls.parser().parse_args(shlex.split(prov["command"])[2:])
+    if prov["kind"] == "ncu-activation":
+        assert args.activation and (args.fmt, args.one_pass) == (prov["fmt"], prov["one_pass"])
+        return
     assert ncu_stalls.kernel_config(args.kernel)[0].kernel == prov["version"]
     assert args.roles == (prov["kind"] == "ncu-roles")
 
