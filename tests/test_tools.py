@@ -43,7 +43,8 @@ def test_activation_profile_command():
     "`--activation` profiles every kernel of the last call (two for int4_pg's passes), and `--one-pass` only with it."
     a = ncu_stalls.parser().parse_args(["--activation", "--fmt", "int4_pg", "--shape", "4352", "0", "3840", "32", "--out", "x.json"])
     a.kernel = "activation"
-    cmd = ncu_stalls.ncu_command(a, launches=2)
+    assert [ncu_stalls.activation_launches(f, c) for f, c in (("int4_pg", None), ("int8", None), ("int4", None), ("int4_pg", 16))] == [2, 2, 1, 1]
+    cmd = ncu_stalls.ncu_command(a, launches=ncu_stalls.activation_launches(a.fmt, a.one_pass))
     assert cmd[cmd.index("--launch-skip") + 1] == str(2 * ncu_stalls.WARMUP) and cmd[cmd.index("--launch-count") + 1] == "2"
     assert "--activation" in cmd and "--one-pass" not in cmd
     with pytest.raises(SystemExit, match="--one-pass: only with --activation"):

@@ -49,7 +49,7 @@ def child(name, fmt, shape, activation=False, one_pass=None):
     from w4a4_book import gemm
     from w4a4_book.bench.workloads import make_workload
     if activation:
-        launch, _ = activation_call(fmt, shape, one_pass)
+        launch = activation_call(fmt, shape, one_pass)
     else:
         _, config = kernel_config(name, fmt, shape)
         w = make_workload(*shape, fmt=fmt)
@@ -78,15 +78,23 @@ def parse(text):
     return (launches[0][1], launches[0][0]) if launches else ({}, None)
 
 def activation_call(fmt, shape, one_pass=None):
-    """`(call, launches)`: the activation side on seeded inputs of `shape`'s M, K and R, and how many kernels one call
-    launches: `gemm.quantize_lora_down` for `fmt`, or with `one_pass` (a cluster size) `gemm.quantize_rows_one_pass`."""
+    """The activation side on seeded inputs of `shape`'s M, K and R: `gemm.quantize_lora_down` for `fmt`, or with
+    `one_pass` (a cluster size) `gemm.quantize_rows_one_pass`."""
     from w4a4_book import gemm
     from w4a4_book.bench.layer import _activation_inputs
     M, _, K, R = shape
     x, smooth, ldt = _activation_inputs(M, K, R)
     if one_pass:
-        return (lambda: gemm.quantize_rows_one_pass(x, smooth, ldt, fmt=fmt, cluster=one_pass)), 1
-    return (lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt)), (1 if fmt == "int4" else 2)
+        return lambda: gemm.quantize_rows_one_pass(x, smooth, ldt, fmt=fmt, cluster=one_pass)
+    return lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt)
+
+def activation_launches(fmt, one_pass=None) -> int:
+    "Kernels one `activation_call` launches: one for int4 or one pass, two passes for int4_pg and int8."
+    return 1 if one_pass or fmt == "int4" else 2
+
+def _one_pass_args(a) -> list:
+    "`--one-pass C` as given (none without it), for the child's command line and the record's."
+    return ["--one-pass", str(a.one_pass)] if a.one_pass else []
 
 def parse_source(text):
     "ncu's `--page source --csv --print-source sass` as a list of per-instruction dicts (numbers as floats)."
@@ -212,23 +220,21 @@ def _out_arg(out: Path) -> str:
 def ncu_command(a, *options, launches=1):
     """ncu with `options`, profiling the last of this script's child calls for `a.kernel` and `a.shape` (or the
     activation side's), a call being `launches` kernel launches."""
-    extra = ["--activation"] * a.activation + (["--one-pass", str(a.one_pass)] if a.one_pass else [])
     return ["ncu", "--kernel-name", "regex:kernel_cutlass_kernel_w4a4", "--launch-skip", str(WARMUP * launches),
             "--launch-count", str(launches), *options, sys.executable, __file__, "--child", "--kernel", a.kernel, "--fmt", a.fmt,
-            "--shape", *map(str, a.shape), *extra, "--out", "-"]
+            "--shape", *map(str, a.shape), *["--activation"] * a.activation, *_one_pass_args(a), "--out", "-"]
 
 def activation_main(a):
     "`--activation`: profile one call of the activation side (every kernel it launches) and save the record."
-    launches = 1 if a.one_pass or a.fmt == "int4" else 2
     res = subprocess.run(ncu_command(a, "--csv", "--page", "details", *[x for s in ACT_SECTIONS for x in ("--section", s)],
-                                     *DETAILS, launches=launches), capture_output=True, text=True)
+                                     *DETAILS, launches=activation_launches(a.fmt, a.one_pass)), capture_output=True, text=True)
     if res.returncode or '"ID"' not in res.stdout:
         sys.exit(f"ncu failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
     kernels = parse_kernels(res.stdout)
     from w4a4_book.records import provenance, save_record
     ncu_version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    opts = ["--activation", "--fmt", a.fmt, *(["--one-pass", str(a.one_pass)] if a.one_pass else []), "--shape", *map(str, a.shape)]
-    command = "python tools/ncu_stalls.py " + shlex.join([*opts, "--out", _out_arg(a.out)])
+    command = "python tools/ncu_stalls.py " + shlex.join(["--activation", "--fmt", a.fmt, *_one_pass_args(a), "--shape",
+                                                          *map(str, a.shape), "--out", _out_arg(a.out)])
     prov = provenance(command, [a.shape], kind="ncu-activation", fmt=a.fmt, one_pass=a.one_pass, ncu=ncu_version,
                       sections=list(ACT_SECTIONS), kernels=[k for k, _ in kernels])
     rows = [dict(launch=i, kernel=k, section=s, metric=m, value=v)
