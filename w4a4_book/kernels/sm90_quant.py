@@ -450,10 +450,10 @@ class RowCodes:
     scale computed once by one lane of its eight and shared, the int8 `q·u` stored; LoRA CTAs after
     them sum the first pass's fp32 partials, eight consecutive `r` of a row per `lanes` threads, and round once to
     `lora_act`'s type."""
-    threads = 128         # four pieces per code CTA: at 78 registers a thread, 6 CTAs (24 warps) fit an SM
+    threads = 128         # four pieces per code CTA: at 48 registers a thread (ptxas, unroll 2), 10 CTAs (40 warps) fit an SM
     WARPS = 4096          # code warps a launch wants at least (an H200 holds 132 × 24): fewer rows, so more pieces to each row
-    MAX_TRIPS = 5         # trips a piece takes at most: long rows are cut too, so a warp of the last wave has little left
-    unroll = 4            # vectors per lane loaded before any is used; also the groups whose scales one division serves
+    MAX_TRIPS = 10        # trips a piece takes at most (640 vectors, as 5 trips of unroll 4): long rows are cut too, so a warp of the last wave has little left
+    unroll = 2            # vectors per lane loaded before any is used; also the groups whose scales one division serves
 
     def __init__(self, fmt, has_smooth=True, rank=0, k_splits=1):
         if fmt not in ("int4_pg", "int8"): raise ValueError(f"fmt={fmt!r}: the second pass writes int4_pg or int8")
