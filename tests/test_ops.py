@@ -561,7 +561,7 @@ def test_the_activation_side_lives_in_a_workspace_per_thread_and_stream(stubbed_
         other(x)
         assert ptrs() == first                                         # another layer of the same shapes shares them
         gemm_codes = stubbed_sm90[-1][0]
-        assert gemm_codes.data_ptr() == stubbed_sm90[-3][3].data_ptr()  # the GEMM reads the codes the passes wrote
+        assert gemm_codes.data_ptr() == stubbed_sm90[-2][3].data_ptr()  # the GEMM reads the codes the second pass wrote
         rows = gemm.bind_quantize_rows(x, layer.smooth, None, fmt="int4_pg")
         a, b = rows(x), rows(x)
         assert a[0].data_ptr() != b[0].data_ptr() and a[0].shape == (16, 512) and a[0].dtype == torch.int8

@@ -237,3 +237,31 @@ def test_one_pass_smem_is_the_kernels_and_bad_clusters_are_refused():
             gemm.quantize_rows_one_pass(x, fmt="int4_pg", cluster=bad)
     with pytest.raises(ValueError, match="fmt: 'int4': one pass writes int4_pg or int8"):
         gemm.quantize_rows_one_pass(x, fmt="int4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 100, 256, 4352])
+def test_row_tile_counters_are_left_zero_and_calls_repeat(M):
+    """The two passes meet per row tile through counters that the first counts up and the second zeroes: after every
+    call (bound, eager or a CUDA-graph replay) they are zero again, and every call writes the same codes, bases and
+    `lora_act`, `quantize`'s bit for bit. M = 1, 100 and 256 cut each row in pieces (several waiting warps a row)."""
+    K, R = 3840, 32
+    x, lam, down = int8_lane_case(M, K, R, torch.bfloat16, True, 3)
+    rows = gemm.bind_quantize_rows(x, lam, down.T.contiguous(), fmt="int4_pg")
+    first = rows(x)
+    check_int8_lanes(*first, x, lam, down, "int4_pg")
+    counters = gemm.stream_workspace(x.device, M * 2 * 4, zeroed=True)[1]
+    for again in (rows(x), rows(x), gemm.quantize_lora_down(x, lam, down.T.contiguous(), fmt="int4_pg")):
+        torch.cuda.synchronize()
+        assert not counters.any()
+        got = again if isinstance(again[0], torch.Tensor) else (again[0].data, again[0].base, again[1])
+        assert all(torch.equal(a, b) for a, b in zip(first, got))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = rows(x)
+    assert rows.spare is None and len(rows.captured) == 1          # the capture took the spare made at binding
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not rows.captured[0].any()
+        assert all(torch.equal(a, b) for a, b in zip(first, captured))

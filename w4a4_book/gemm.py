@@ -531,7 +531,7 @@ def k_splits(m_tiles: int, k_blocks: int, num_sms: int, ctas_per_sm: int = ACT_C
 # %% ../nbs/05a_gemm.ipynb #67ac19dc
 QUANT_ARGS = ("x", "recip_smooth", "lora_down_t", "codes", "aux", "lora")   # the activation kernel's tensors, in order
 
-ROW_CODES_ARGS = ("x", "recip_smooth", "rowmax", "codes", "base", "lora", "lora_act")   # the second pass's, in order
+ROW_CODES_ARGS = ("x", "recip_smooth", "rowmax", "codes", "base", "lora", "lora_act", "counters")   # the second pass's, in order
 
 def quant_specs(kernel, names, tensors: list) -> list:
     "The `ArgSpec`s of activation kernel `kernel` launched on `tensors` (one per name of `names`, each row-major), M a run-time value."
@@ -611,26 +611,28 @@ def _lora_out(M: int, R: int, dtype, dev) -> torch.Tensor:
 _WORKSPACES = threading.local()      # per thread: (device, stream) → a byte buffer, kept and grown as needed
 MAX_STREAM_WORKSPACES = 16           # per thread: past this many streams the oldest stream's buffer is dropped
 
-def stream_workspace(dev, nbytes: int) -> Optional[tuple]:
+def stream_workspace(dev, nbytes: int, zeroed: bool = False) -> Optional[tuple]:
     """`(key, buf)`: a uint8 buffer of at least `nbytes` on `dev`, one per thread and current CUDA stream (`key`),
     kept and grown (at least doubled) as needed, for intermediates no caller keeps; None under a CUDA-graph capture (a
     graph owns its buffers). NOTES: a stream runs its kernels in the order they were enqueued, and one thread enqueues
     its calls in order, so one call's kernels have read the buffer before the next call's kernels write it; two
     threads on one stream interleave, hence per thread. A dropped or outgrown buffer goes back to the caching
-    allocator, which gives it only to later work on the stream it was made on."""
+    allocator, which gives it only to later work on the stream it was made on. `zeroed`: a second buffer per key,
+    made (and grown) zero, for kernels that leave it zero when they end (`BoundRows`'s row-tile counters)."""
     cuda = dev.type == "cuda"
     if cuda and torch.cuda.is_current_stream_capturing():
         return None
     spaces = getattr(_WORKSPACES, "spaces", None)
     if spaces is None:
         spaces = _WORKSPACES.spaces = {}
-    key = (dev, torch._C._cuda_getCurrentRawStream(dev.index) if cuda else 0, threading.get_ident())
+    key = (dev, torch._C._cuda_getCurrentRawStream(dev.index) if cuda else 0, threading.get_ident(), zeroed)
     buf = spaces.get(key)
     if buf is None or buf.numel() < nbytes:
         if buf is None and len(spaces) >= MAX_STREAM_WORKSPACES:
             del spaces[next(iter(spaces))]
         with torch.inference_mode(False):      # views of it are written in and out of inference mode
-            buf = spaces[key] = torch.empty(max(nbytes, 2 * buf.numel() if buf is not None else 0), dtype=torch.uint8, device=dev)
+            make = torch.zeros if zeroed else torch.empty
+            buf = spaces[key] = make(max(nbytes, 2 * buf.numel() if buf is not None else 0), dtype=torch.uint8, device=dev)
     return key, buf
 
 class BoundRows:
@@ -638,8 +640,10 @@ class BoundRows:
     device (`bind_quantize_rows`). Called with any `x` of those (contiguous), it runs both passes and returns `(codes,
     base, lora_act)`, `lora_act` None at rank 0: in new tensors, or with `workspace=True` in this stream's workspace, for
     a caller that consumes them on this stream before its next call (`ops.BoundLinear`). The row maxima and the LoRA
-    partials always live in the workspace (`stream_workspace`), but under a CUDA-graph capture."""
-    __slots__ = ("first", "second", "sm", "ldt", "R", "buffers", "offsets", "stand_in", "views")
+    partials always live in the workspace (`stream_workspace`), but under a CUDA-graph capture. So do the row tiles'
+    counters, in the zeroed workspace: the first pass counts each tile's shares in, the second waits on them and
+    leaves them zero; a capture takes the zeroed `spare` that `bind_quantize_rows` makes, else zeros in the graph."""
+    __slots__ = ("first", "second", "sm", "ldt", "R", "buffers", "offsets", "stand_in", "views", "spare", "captured")
     ALIGN = 256                 # bytes: each buffer of the workspace starts at a multiple (16-byte loads, TMA)
 
     def __init__(self, x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM):
@@ -655,10 +659,12 @@ class BoundRows:
         sizes = [-(-d.itemsize * math.prod(s) // self.ALIGN) * self.ALIGN for d, s in self.buffers]
         self.offsets = tuple(itertools.accumulate(sizes, initial=0))
         self.stand_in = None if self.R else _lora_out(M, 0, x.dtype, dev)
+        self.spare, self.captured = None, []
         meta = [torch.empty(s, dtype=d, device="meta") for d, s in self.buffers]
         rowmax, partial, base, lora_act, codes = self._named(meta)
-        first = [x, self.sm, self.ldt, codes.view(torch.int32), rowmax, partial]
-        second = [x, self.sm, rowmax, codes.view(torch.int32), base, partial, lora_act]
+        counters = torch.empty(M, 2, dtype=torch.int32, device="meta")
+        first = [x, self.sm, self.ldt, counters, rowmax, partial]
+        second = [x, self.sm, rowmax, codes.view(torch.int32), base, partial, lora_act, counters]
         self.first = launchable(("rowmax", *sig), dev, _quant_compiler(
             lambda: QuantLoraDown(self.R, stages, has_smooth, ks, mode="pg_rowmax"), QUANT_ARGS, first))
         self.second = launchable((fmt, *sig), dev, _quant_compiler(
@@ -688,16 +694,40 @@ class BoundRows:
         named = self._named(views)
         return (*named, named[-1].view(torch.int32))
 
+    def keep_spare(self, x) -> None:
+        "Make, unless under a capture, the zeroed counters for `x`'s rows that a later capture takes (`_counters`)."
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.spare = self._zeros(x.shape[0], x.device)
+
+    @staticmethod
+    def _zeros(M: int, dev) -> torch.Tensor:
+        with torch.inference_mode(False):
+            return torch.zeros(M, 2, dtype=torch.int32, device=dev)
+
+    def _counters(self, M: int, dev) -> torch.Tensor:
+        """The row tiles' counters `(M, 2)` int32 for this call, zero: the zeroed workspace, or under a capture the
+        spare (kept while this binding lives, as the graph uses it) or zeros made in the graph."""
+        space = stream_workspace(dev, M * 2 * 4, zeroed=True)
+        if space is not None:
+            return space[1][:M * 2 * 4].view(torch.int32).view(M, 2)
+        mine, self.spare = (self.spare if self.spare is not None and self.spare.shape[0] == M else self._zeros(M, dev)), None
+        self.captured.append(mine)
+        return mine
+
     def __call__(self, x, workspace: bool = False) -> tuple:
         rowmax, partial, base, lora_act, codes, codes32 = self._tensors(x.device, workspace)
-        self.first(x, self.sm, self.ldt, codes32, rowmax, partial)      # every share's row maxima: nothing to zero
-        self.second(x, self.sm, rowmax, codes32, base, partial, lora_act)
+        counters = self._counters(x.shape[0], x.device)
+        self.first(x, self.sm, self.ldt, counters, rowmax, partial)      # every share's row maxima: nothing to zero
+        self.second(x, self.sm, rowmax, codes32, base, partial, lora_act, counters)
         return codes, base, (lora_act if self.R else None)
 
 def bind_quantize_rows(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM) -> BoundRows:
     """`quantize_lora_down`'s checks, compiles and weight-side tensors for an int8-lane `fmt` (int4_pg, int8), made once
-    for `x`'s shape, dtype and device: a `BoundRows`, called with `x` alone."""
-    return BoundRows(x, smooth, lora_down_t, fmt=fmt, stages=stages, ctas_per_sm=ctas_per_sm)
+    for `x`'s shape, dtype and device: a `BoundRows`, called with `x` alone (a CUDA-graph capture of it finds its
+    row-tile counters made: `BoundRows.keep_spare`)."""
+    rows = BoundRows(x, smooth, lora_down_t, fmt=fmt, stages=stages, ctas_per_sm=ctas_per_sm)
+    rows.keep_spare(x)
+    return rows
 
 SMEM_PER_BLOCK = 232448     # bytes of shared memory one CTA may opt into on sm_90 (227 KiB)
 
@@ -761,9 +791,10 @@ def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mo
     x, rs = ArgSpec("x", dt, (M, K), (1, 0)), ArgSpec("recip_smooth", cutlass.Float32, (K,))
     lora = ArgSpec("lora", cutlass.Float32, (k_splits, M, RL), (2, 1, 0))
     codes = ArgSpec("codes", cutlass.Int32, (M, K // 8 if mode == "int4" else K // 4), (1, 0))
+    counters = ArgSpec("counters", cutlass.Int32, (M, 2), (1, 0))            # the two passes' row-tile counters
     if mode in ("int4_pg", "int8"):
         specs = [x, rs, ArgSpec("rowmax", cutlass.Float32, (k_splits, M), (1, 0)), codes, ArgSpec("base", cutlass.Float32, (M,)), lora,
-                 ArgSpec("lora_act", dt, (M, RL), (1, 0))]
+                 ArgSpec("lora_act", dt, (M, RL), (1, 0)), counters]
         k = RowCodes(mode, smooth, R, k_splits)
         return compile_on_fakes(k, [s._replace(m_mode=m) for s, m in zip(specs, k.m_modes())], dynamic_m=True)[0], 0
     ldt = ArgSpec("lora_down_t", dt, (RL, K), (1, 0))
@@ -773,6 +804,6 @@ def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mo
     else:
         aux = ArgSpec("scales", dt, (K // G, M), (1, 0)) if mode == "int4" else ArgSpec("rowmax", cutlass.Float32, (k_splits, M), (1, 0))
         k = QuantLoraDown(R, 4, smooth, k_splits, mode=mode)
-        specs = [x, rs, ldt, codes, aux, lora]
+        specs = [x, rs, ldt, counters if mode == "pg_rowmax" else codes, aux, lora]
     ptx, _ = compile_on_fakes(k, [s._replace(m_mode=m) for s, m in zip(specs, k.m_modes())], dynamic_m=True)
     return ptx, k.storage.size_in_bytes()

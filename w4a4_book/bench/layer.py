@@ -225,6 +225,9 @@ def _time_activation(M, K, R, fmt, cps, stages, copy, iters, warmup) -> dict:
     splits = gemm.k_splits(-(-M // 64), K // 64, gemm.sm_count(torch.cuda.current_device()), cps)
     call = lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt, stages=stages, ctas_per_sm=cps)
     eager = time_cuda(call, warmup=warmup, iters=iters)
+    if fmt != "int4":      # the graph replays a bound call, as a layer does: its counters made before the capture
+        rows = gemm.bind_quantize_rows(x, smooth, ldt, fmt=fmt, stages=stages, ctas_per_sm=cps)
+        call = lambda: rows(x)
     t = time_cuda(call, warmup=warmup, iters=iters, graph=True)
     nbytes = activation_bytes(M, K, R, fmt, splits)
     bw = nbytes / (t["median_ms"] * 1e-3)
@@ -235,7 +238,8 @@ def _time_activation(M, K, R, fmt, cps, stages, copy, iters, warmup) -> dict:
 def run_activation_bench(shapes, R: int = 32, fmts=ACTIVATION_FORMATS, iters: int = 50, warmup: int = 10, quiet: bool = False,
                          grid=((gemm.ACT_CTAS_PER_SM, gemm.ACT_STAGES),)) -> list:
     """Time `gemm.quantize_lora_down` per format on each `(M, K)` as CUDA-graph replays (the row's timing fields, its
-    bandwidth), and eagerly beside it (`eager_*_ms`), with the copy bandwidth of the same run; one row per shape,
+    bandwidth; int4_pg and int8 bound first, `gemm.bind_quantize_rows`, as a layer binds them), and eagerly beside it
+    (`eager_*_ms`), with the copy bandwidth of the same run; one row per shape,
     `(ctas_per_sm, stages)` point of `grid` (default: the kernel's defaults) and format."""
     copy = copy_bandwidth()
     rows = []

@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['G', 'INT4_MIN', 'INT4_MAX', 'MAX_RANK', 'PG_U_MIN', 'PG_U_MAX', 'INT8_MAX', 'FLOAT32_MAX', 'VEC', 'ROUNDER',
-           'copy_16b', 'div_rn', 'mul_rn', 'recip_or_zero', 'f32_bits', 'pack4_bytes', 'round_even_i32', 'smooth_amax',
+           'copy_16b', 'div_rn', 'mul_rn', 'recip_or_zero', 'f32_bits', 'pack4_bytes', 'round_even_i32', 'counter_addr',
+           'arrive_release_gpu', 'load_acquire_gpu', 'add_acq_rel_gpu', 'store_relaxed_gpu', 'nanosleep', 'smooth_amax',
            'QuantLoads', 'QuantOutputs', 'QuantLoraDown', 'row_base', 'group_scale', 'pack_int8', 'RowCodes',
            'st_cluster_f32', 'cluster_sync']
 
@@ -80,6 +81,47 @@ def round_even_i32(a, *, loc=None, ip=None):
     return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Float32(a).ir_value(loc=loc, ip=ip)], "cvt.rni.s32.f32 $0, $1;",
                                          "=r,f", has_side_effects=False, is_align_stack=False,
                                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+@cute.jit
+def counter_addr(mCounters: cute.Tensor, row, j):
+    "The global address of int32 counter `mCounters[row, j]`, for the GPU-scope operations below."
+    return mCounters.iterator.toint() + cutlass.Int64(cute.crd2idx((row, j), mCounters.layout)) * 4
+
+def _asm_void(op, constraints, *xs, loc=None, ip=None):
+    llvm.inline_asm(None, [x.ir_value(loc=loc, ip=ip) for x in xs], op, constraints, has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+def _asm_i32(op, constraints, *xs, loc=None, ip=None):
+    return cutlass.Int32(llvm.inline_asm(T.i32(), [x.ir_value(loc=loc, ip=ip) for x in xs], op, constraints,
+                                         has_side_effects=True, is_align_stack=False,
+                                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+@dsl_user_op
+def arrive_release_gpu(addr, *, loc=None, ip=None):
+    """Add 1 to the int32 at global `addr`, a release at GPU scope (`red.release.gpu`): what this thread wrote, and what
+    its CTA wrote before a barrier it passed, is visible to whoever acquires the sum."""
+    _asm_void("red.release.gpu.global.add.s32 [$0], 1;", "l", cutlass.Int64(addr), loc=loc, ip=ip)
+
+@dsl_user_op
+def load_acquire_gpu(addr, *, loc=None, ip=None):
+    "The int32 at global `addr`, read anew on every call, an acquire at GPU scope (`ld.acquire.gpu`)."
+    return _asm_i32("ld.acquire.gpu.global.s32 $0, [$1];", "=r,l", cutlass.Int64(addr), loc=loc, ip=ip)
+
+@dsl_user_op
+def add_acq_rel_gpu(addr, value, *, loc=None, ip=None):
+    "Add `value` to the int32 at global `addr` (`atom.acq_rel.gpu`); returns what it held."
+    return _asm_i32("atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r", cutlass.Int64(addr), cutlass.Int32(value),
+                    loc=loc, ip=ip)
+
+@dsl_user_op
+def store_relaxed_gpu(addr, value, *, loc=None, ip=None):
+    "Store int32 `value` at global `addr` (`st.relaxed.gpu`)."
+    _asm_void("st.relaxed.gpu.global.s32 [$0], $1;", "l,r", cutlass.Int64(addr), cutlass.Int32(value), loc=loc, ip=ip)
+
+@dsl_user_op
+def nanosleep(ns: int, *, loc=None, ip=None):
+    "Let the warp's scheduler run others for about `ns` nanoseconds (`nanosleep`; a hint, at most 1 ms)."
+    _asm_void(f"nanosleep.u32 {ns};", "", loc=loc, ip=ip)
 
 @cute.jit
 def smooth_amax(xv, sv, xs, has_smooth: cutlass.Constexpr):
@@ -185,7 +227,8 @@ class QuantLoraDown:
                  mAux: cute.Tensor, mLora: cute.Tensor, stream: cuda.CUstream):
         """mX (M, K) 16-bit; mRecipSmooth (K,) fp32 = 1/smooth; mLdT (R, K) = lora_downᵀ; mLora (k_splits, M, R) fp32 partials.
         int4: mCodes (M, K/8) int32 (packed INT4 words), mAux (K/64, M) 16-bit scales.
-        pg_rowmax: mAux (k_splits, M) fp32, each share's row maxima of |x/smooth| (`RowCodes` takes their max); mCodes unused.
+        pg_rowmax: mAux (k_splits, M) fp32, each share's row maxima of |x/smooth| (`RowCodes` takes their max); mCodes
+        (M, 2) int32, the row tiles' counters at each tile's first row (`RowCodes`), zero before the pass and after the second.
         int4_pg, int8 (one pass): mCodes (M, K/4) int32, four int8 `q·u` each; mAux (M,) fp32 `base`; mLora (M, R)
         16-bit `lora_act` (a stand-in at rank 0); `stages` is each CTA's number of K-blocks, all held at once."""
         BM, R, S = self.tile_m, self.rank, self.stages
@@ -205,7 +248,7 @@ class QuantLoraDown:
         self.tx = (BM + R) * G * dt.width // 8                             # bytes that land in one stage
         M = cute.size(mX, mode=[0])
         self.kernel(QuantLoads(tma_x, gX, tma_w, gW), mRecipSmooth, QuantOutputs(mCodes, mAux, mLora), mma, x_l, w_l).launch(
-            grid=((M + BM - 1) // BM, self.k_splits, 1), block=[self.threads, 1, 1], stream=stream,
+            grid=self.grid(M), block=[self.threads, 1, 1], stream=stream,
             **({"cluster": [1, self.k_splits, 1]} if self.one_pass else {}))        # two passes: no cluster
 
     @cute.kernel
@@ -213,7 +256,7 @@ class QuantLoraDown:
         BM, R, S = self.tile_m, self.rank, self.stages
         tma_x, gX, tma_w, gW = loads
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, kz, _ = cute.arch.block_idx()                          # row tile, share of K
+        bidx, kz = self.tile_and_share()                             # row tile, share of K
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if cutlass.const_expr(self.mode == "pg_rowmax"):
             cute.arch.griddepcontrol_launch_dependents()            # `RowCodes` may launch now: it waits before reading ours
@@ -265,6 +308,21 @@ class QuantLoraDown:
         else:
             self.stream_share(loads, (tXgX, tXsX, tWgW, tWsW), pipe, prod, rX, (smooth, sk0), outs, mma, frags, k0, k_tiles)
 
+    def grid(self, M) -> tuple:
+        "The launch grid: (row tiles, shares of K), but pg_rowmax launches each tile's shares side by side (`tile_and_share`)."
+        tiles = (M + self.tile_m - 1) // self.tile_m
+        return (self.k_splits, tiles, 1) if self.mode == "pg_rowmax" else (tiles, self.k_splits, 1)
+
+    @cute.jit
+    def tile_and_share(self):
+        """This CTA's (row tile, share of K). NOTES: pg_rowmax puts a tile's shares side by side in the grid, so the
+        tiles finish about in order and `RowCodes`, which waits on each tile's counter, starts on the first tiles while
+        the last are read; the others keep a share's tiles side by side."""
+        a, b, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.mode == "pg_rowmax"):
+            a, b = b, a
+        return a, b
+
     @cute.jit
     def stage_smooth(self, mRecipSmooth, sSm, k0):
         "`1/smooth` of the share (K-blocks from `k0`) copied into shared memory `sSm`, 16 bytes a thread at a time; the caller syncs."
@@ -295,7 +353,7 @@ def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, smooth, 
     mCodes, mAux, mLora = outs
     sSm, sk0 = smooth
     tidx, _, _ = cute.arch.thread_idx()
-    bidx, kz, _ = cute.arch.block_idx()
+    bidx, kz = self.tile_and_share()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     M = cute.size(mCodes, mode=[0])
     cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
@@ -333,6 +391,9 @@ def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, smooth, 
     if cutlass.const_expr(self.mode == "pg_rowmax"):
         if m < M and half == 0:
             mAux[kz, m] = rowmax                                # the shuffle gave both halves the same max
+        cute.arch.barrier()                                     # every thread's partials and maxima are written
+        if tidx == 0:
+            arrive_release_gpu(counter_addr(mCodes, bidx * BM, 0))   # one more share of the tile is in: `RowCodes` waits on it
 
 @patch
 @cute.jit
@@ -453,6 +514,7 @@ class RowCodes:
     threads = 128         # four pieces per code CTA: at 48 registers a thread (ptxas, unroll 2), 10 CTAs (40 warps) fit an SM
     WARPS = 4096          # code warps a launch wants at least (an H200 holds 132 × 24): fewer rows, so more pieces to each row
     MAX_TRIPS = 10        # trips a piece takes at most (640 vectors, as 5 trips of unroll 4): long rows are cut too, so a warp of the last wave has little left
+    BACKOFF_NS = 100      # a code warp's sleep between reads of its tile's counter
     unroll = 2            # vectors per lane loaded before any is used; also the groups whose scales one division serves
 
     def __init__(self, fmt, has_smooth=True, rank=0, k_splits=1):
@@ -472,39 +534,41 @@ class RowCodes:
 
     def m_modes(self) -> tuple:
         "Each argument's mode of extent M, in `__call__`'s order (None: none; at rank 0 `lora_act` is a stand-in)."
-        return (0, None, 1, 0, 0, 1, 0 if self.rank else None)
+        return (0, None, 1, 0, 0, 1, 0 if self.rank else None, 0)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRecipSmooth: cute.Tensor, mRowmax: cute.Tensor, mCodes: cute.Tensor,
-                 mBase: cute.Tensor, mLora: cute.Tensor, mLoraAct: cute.Tensor, stream: cuda.CUstream):
+                 mBase: cute.Tensor, mLora: cute.Tensor, mLoraAct: cute.Tensor, mCounters: cute.Tensor, stream: cuda.CUstream):
         """mX (M, K) 16-bit; mRecipSmooth (K,) fp32; mRowmax (k_splits, M) fp32, the first pass's row maxima of |x/smooth| per share;
-        mCodes (M, K/4) int32, four int8 `q·u` each; mBase (M,) fp32; mLora (k_splits, M, R) fp32; mLoraAct (M, R) 16-bit."""
+        mCodes (M, K/4) int32, four int8 `q·u` each; mBase (M,) fp32; mLora (k_splits, M, R) fp32; mLoraAct (M, R) 16-bit;
+        mCounters (M, 2) int32, at each row tile's first row the first pass's shares in and the code warps out (`wait_for_tile`)."""
         M = cute.size(mX, mode=[0])
         rows = self.threads // 32
         per_row = self.per_row(M, cute.size(mX, mode=[1]))
         code_ctas = (M * per_row + rows - 1) // rows
         lora_ctas = (M * (self.rank // VEC) * self.lanes + self.threads - 1) // self.threads
-        self.kernel(mX, mRecipSmooth, mRowmax, mCodes, mBase, mLora, mLoraAct, code_ctas, per_row).launch(
+        self.kernel(mX, mRecipSmooth, mRowmax, mCodes, mBase, mLora, mLoraAct, mCounters, code_ctas, per_row).launch(
             grid=(code_ctas + lora_ctas, 1, 1), block=[self.threads, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
-    def kernel(self, mX, mRecipSmooth, mRowmax, mCodes, mBase, mLora, mLoraAct, code_ctas, per_row):
+    def kernel(self, mX, mRecipSmooth, mRowmax, mCodes, mBase, mLora, mLoraAct, mCounters, code_ctas, per_row):
         bidx, _, _ = cute.arch.block_idx()
         if bidx < code_ctas:                                       # uniform per CTA
-            self.codes(mX, mRecipSmooth, mRowmax, mCodes, mBase, per_row)
+            self.codes(mX, mRecipSmooth, mRowmax, mCodes, mBase, mCounters, per_row)
         if cutlass.const_expr(self.rank > 0):
             if bidx >= code_ctas:
                 self.lora_sum(mLora, mLoraAct, bidx - code_ctas)
 
     @cute.jit
-    def codes(self, mX, mRecipSmooth, mRowmax, mCodes, mBase, per_row):
+    def codes(self, mX, mRecipSmooth, mRowmax, mCodes, mBase, mCounters, per_row):
         """This warp's piece of a row (one of `per_row`, the row's trips cut in that many runs; warps take the last
         piece of every row first) from its end to its start, `unroll` vectors a lane per trip, the next trip's loads issued
         before this trip's values are used: smoothed, each group's amax shared by a butterfly; lane `j` of a group's
         eight computes the scale of the trip's vector `j % unroll` (one division chain for `unroll` groups), a shuffle
-        hands each group its own; quantized and stored. NOTES: the first pass's CTAs take the shares of K in order, so
-        the ends of the rows are the x it read last, the part still in L2; and x is not the first pass's output, so the
-        first trip is loaded before `griddepcontrol.wait` (this launch may start while the first pass drains)."""
+        hands each group its own; quantized and stored. NOTES: the first pass finishes its row tiles about in order and
+        this launch may start while it runs, so a warp waits for its own tile's shares (`wait_for_tile`), not for the
+        whole pass: the first tiles' codes are written while the last tiles are read, and a tile's x, read moments
+        before, is still in L2; x is not the first pass's output, so the first trip is loaded before the wait."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane, U = tidx % 32, self.unroll
@@ -516,8 +580,10 @@ class RowCodes:
         gC = cute.zipped_divide(mCodes, (1, VEC // 4))              # ((1, 2), (M, K/VEC)): a vector's 8 codes, two words
         if w < M * per_row:                                           # uniform per warp
             xr = self.load_x(mX, row, (t1 - 1) * 32 * U + lane, vpr, 0)
-            cute.arch.griddepcontrol_wait()                           # the first pass's row maxima are final
+            tile = row // QuantLoraDown.tile_m
+            self.wait_for_tile(mCounters, tile)                       # the row maxima of every share of the tile are in
             base = self.shares_base(mRowmax, row, lane)
+            self.leave_tile(mCounters, tile, per_row, M, lane)
             if piece == 0 and lane == 0:
                 mBase[row] = base
             for i in cutlass.range(t1 - t0, unroll=1):
@@ -539,6 +605,29 @@ class RowCodes:
                         pack_int8(cute.slice_(xs, (u, None)), r_u, q_u_u, words, self.pg)
                         cute.autovec_copy(words, gC[(0, None), (row, col)])
                 cute.autovec_copy(ahead, xr)
+
+    @cute.jit
+    def wait_for_tile(self, mCounters, tile):
+        """Spin, backing off `BACKOFF_NS` between reads, until all `k_splits` shares of row tile `tile` have arrived
+        (`QuantLoraDown.stream_share`); the read is an acquire, so their row maxima are visible after it. Every lane
+        reads: one load of one address."""
+        addr = counter_addr(mCounters, tile * QuantLoraDown.tile_m, 0)
+        seen = load_acquire_gpu(addr)
+        while seen < self.k_splits:
+            nanosleep(self.BACKOFF_NS)
+            seen = load_acquire_gpu(addr)
+
+    @cute.jit
+    def leave_tile(self, mCounters, tile, per_row, M, lane):
+        """This warp has read its tile's row maxima: lane 0 counts it out, and the tile's last warp out zeroes both
+        counters. NOTES: every warp of the tile (`per_row` to each of its rows) is past its wait by then, and the next
+        call's first pass starts after this launch ends, so each call finds the counters as the first did: zero."""
+        BM = QuantLoraDown.tile_m
+        if lane == 0:
+            waiters = cutlass.min(BM, M - tile * BM) * per_row
+            if add_acq_rel_gpu(counter_addr(mCounters, tile * BM, 1), 1) == waiters - 1:
+                store_relaxed_gpu(counter_addr(mCounters, tile * BM, 0), 0)
+                store_relaxed_gpu(counter_addr(mCounters, tile * BM, 1), 0)
 
     def trips(self, K: int) -> int:
         "Trips of a warp along a row of `K` values: `unroll` 16-byte vectors a lane."
