@@ -451,7 +451,7 @@ class RowCodes:
     them sum the first pass's fp32 partials, eight consecutive `r` of a row per `lanes` threads, and round once to
     `lora_act`'s type."""
     threads = 128         # four pieces per code CTA: at 48 registers a thread (ptxas, unroll 2), 10 CTAs (40 warps) fit an SM
-    WARPS = 4096          # code warps a launch wants at least (an H200 holds 132 × 24): fewer rows, so more pieces to each row
+    WARPS = 4096          # code warps a launch wants at least (set when an H200 held 132 × 24 of them; at unroll 2, 132 × 40): fewer rows, so more pieces to each row
     MAX_TRIPS = 10        # trips a piece takes at most (640 vectors, as 5 trips of unroll 4): long rows are cut too, so a warp of the last wave has little left
     unroll = 2            # vectors per lane loaded before any is used; also the groups whose scales one division serves
 
