@@ -299,7 +299,7 @@ def __call__(self: W4A4GemmPg, mA: cute.Tensor, mBaseA: cute.Tensor, mWq: cute.T
     tiles = self.scheduler.m_tiles * self.scheduler.n_ctiles
     clusters = cutlass.min(tiles, self.num_sms // mc) if self.persistent else tiles
     self.kernel(loads, PgVectors(mBaseA, mBaseW, mWcs, mBias), self.mmas, self.layouts, M).launch(
-        grid=(clusters * mc, 1, 1), block=[self.threads, 1, 1], cluster=(mc, 1, 1), stream=stream, use_pdl=True)
+        grid=(clusters * mc, 1, 1), block=[self.threads, 1, 1], cluster=(mc, 1, 1), stream=stream)
 
 @kernel_bundle
 class PgMmas(NamedTuple):
@@ -353,10 +353,6 @@ def kernel(self: W4A4GemmPg, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layo
             tx_count=self.tx_lora, cta_layout_vmnk=cluster, defer_sync=True)
     pipeline_init_arrive(cluster_shape_mn=(mc, 1), is_relaxed=True)
     pipeline_init_wait(cluster_shape_mn=(mc, 1))
-    # NOTES: launched as a programmatic dependent, this kernel may start while the one before it in the stream (the
-    # activation's second pass) drains; everything above touches only this CTA's shared memory, everything below may
-    # read what that kernel wrote, or write what it reads
-    cute.arch.griddepcontrol_wait()
     if cutlass.const_expr(roles.first_worker_warp == 0):  # no load warpgroup (v1): every warp runs the MMA role
         self.mma_role(st, loads, vecs, mmas, layouts, (load_pipe, dec_pipe), lora_pipe, tidx % 128,
                       cute.arch.make_warp_uniform(tidx // 128), cta, M)

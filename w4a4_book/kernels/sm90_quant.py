@@ -490,7 +490,6 @@ class RowCodes:
     @cute.kernel
     def kernel(self, mX, mRecipSmooth, mRowmax, mCodes, mBase, mLora, mLoraAct, code_ctas, per_row):
         bidx, _, _ = cute.arch.block_idx()
-        cute.arch.griddepcontrol_launch_dependents()               # the GEMM may launch now: it waits before reading ours
         if bidx < code_ctas:                                       # uniform per CTA
             self.codes(mX, mRecipSmooth, mRowmax, mCodes, mBase, per_row)
         if cutlass.const_expr(self.rank > 0):
