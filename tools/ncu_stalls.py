@@ -176,8 +176,8 @@ def main(argv=None):
     a = parser().parse_args(argv)
     if a.one_pass is not None and not a.activation:
         sys.exit("--one-pass: only with --activation")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # this checkout's w4a4_book
     if a.activation:                                          # no GEMM kernel: the activation side's own kernels
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         a.kernel = "activation"
         return child(a.kernel, a.fmt, a.shape, True, a.one_pass) if a.child else activation_main(a)
     spec, config = kernel_config(a.kernel, a.fmt, a.shape)   # an unknown name or format fails here, naming it
@@ -196,14 +196,17 @@ def main(argv=None):
     if res.returncode or '"ID"' not in res.stdout:
         sys.exit(f"ncu failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
     metrics, kernel = parse(res.stdout)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    rows = [dict(section=s, metric=m, value=v) for s, d in metrics.items() for m, v in d.items()]
+    save_profile(a, ["--kernel", a.kernel, *_fmt_arg(a), "--shape", *map(str, a.shape)], rows, kind="ncu", version=a.kernel,
+                 fmt=a.fmt, config=repr(config), sections=list(SECTIONS), kernel=kernel)
+
+def save_profile(a, args, rows, **fields):
+    """Save `rows` as the record `a.out`, its provenance naming the command that re-measures it (this script with
+    `args` and the stored `--out`), the ncu version and `fields`."""
     from w4a4_book.records import provenance, save_record
     ncu_version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    command = "python tools/ncu_stalls.py " + shlex.join(["--kernel", a.kernel, *_fmt_arg(a), "--shape", *map(str, a.shape), "--out", _out_arg(a.out)])
-    prov = provenance(command, [a.shape], kind="ncu", version=a.kernel, fmt=a.fmt, config=repr(config), ncu=ncu_version,
-                      sections=list(SECTIONS), kernel=kernel)
-    rows = [dict(section=s, metric=m, value=v) for s, d in metrics.items() for m, v in d.items()]
-    print(f"saved {save_record(a.out, prov, rows)}")
+    command = "python tools/ncu_stalls.py " + shlex.join([*args, "--out", _out_arg(a.out)])
+    print(f"saved {save_record(a.out, provenance(command, [a.shape], ncu=ncu_version, **fields), rows)}")
 
 def _fmt_arg(a) -> list:
     "`--fmt` for a stored command, left out for int4 so that the older records' commands stay as they were."
@@ -231,15 +234,10 @@ def activation_main(a):
     if res.returncode or '"ID"' not in res.stdout:
         sys.exit(f"ncu failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
     kernels = parse_kernels(res.stdout)
-    from w4a4_book.records import provenance, save_record
-    ncu_version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    command = "python tools/ncu_stalls.py " + shlex.join(["--activation", "--fmt", a.fmt, *_one_pass_args(a), "--shape",
-                                                          *map(str, a.shape), "--out", _out_arg(a.out)])
-    prov = provenance(command, [a.shape], kind="ncu-activation", fmt=a.fmt, one_pass=a.one_pass, ncu=ncu_version,
-                      sections=list(ACT_SECTIONS), kernels=[k for k, _ in kernels])
     rows = [dict(launch=i, kernel=k, section=s, metric=m, value=v)
             for i, (k, metrics) in enumerate(kernels) for s, d in metrics.items() for m, v in d.items()]
-    print(f"saved {save_record(a.out, prov, rows)}")
+    save_profile(a, ["--activation", "--fmt", a.fmt, *_one_pass_args(a), "--shape", *map(str, a.shape)], rows,
+                 kind="ncu-activation", fmt=a.fmt, one_pass=a.one_pass, sections=list(ACT_SECTIONS), kernels=[k for k, _ in kernels])
 
 def launched_ctas(kern, M, N):
     "CTAs the kernel object `kern` launches for an `M`×`N` output: one per tile (v1), or its persistent scheduler's grid (v2)."
@@ -263,7 +261,6 @@ def roles_main(a):
                              capture_output=True, text=True, check=True).stdout
     import torch
     from w4a4_book import gemm
-    from w4a4_book.records import provenance, save_record
     spec, config = kernel_config(a.kernel, a.fmt, a.shape)
     kern, _ = gemm.build(config, gemm.example_problem(spec, *a.shape), gemm.sm_count(torch.cuda.current_device()))   # the grid that ran
     M, N, K, R = a.shape
@@ -271,12 +268,9 @@ def roles_main(a):
     ctas = launched_ctas(kern, M, N)
     k_blocks = tiles * (K // kern.bk) / ctas
     roles = by_role(parse_source(src), k_blocks, ctas, kernel_roles(kern))
-    ncu_version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    command = "python tools/ncu_stalls.py " + shlex.join(["--roles", "--kernel", a.kernel, *_fmt_arg(a), "--shape", *map(str, a.shape), "--out", _out_arg(a.out)])
-    prov = provenance(command, [a.shape], kind="ncu-roles", version=a.kernel, fmt=a.fmt, config=repr(config), ncu=ncu_version,
-                      k_blocks_per_cta=k_blocks, ctas=ctas)
     rows = [dict(role=r, metric=m, value=v) for r, d in roles.items() for m, v in d.items()]
-    print(f"saved {save_record(a.out, prov, rows)}")
+    save_profile(a, ["--roles", "--kernel", a.kernel, *_fmt_arg(a), "--shape", *map(str, a.shape)], rows, kind="ncu-roles",
+                 version=a.kernel, fmt=a.fmt, config=repr(config), k_blocks_per_cta=k_blocks, ctas=ctas)
 
 if __name__ == "__main__":
     sys.exit(main())
