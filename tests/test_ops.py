@@ -598,3 +598,38 @@ def test_a_thread_keeps_a_bounded_number_of_stream_workspaces():
     t = threading.Thread(target=fill)
     t.start(); t.join()
     assert len(spaces) == gemm.MAX_STREAM_WORKSPACES and [k[1] for k in spaces][-1] == 0 and 1 not in [k[1] for k in spaces]
+
+
+def test_the_two_passes_run_per_chunk_of_rows_when_x_outgrows_the_budget(stubbed_sm90, monkeypatch):
+    """Where x is larger than `activation_chunk_bytes`, each chunk of rows gets both passes, in order: the first chunk's
+    first pass plain, the later ones chained; each pass sees its chunk's rows of x and of the outputs, and the
+    intermediates of one of two sets, compact, the short last chunk's too; one launch per pass per chunk."""
+    M, K = 300, 512
+    monkeypatch.setattr(gemm, "activation_chunk_bytes", lambda dev: 128 * K * 2)      # 128 rows of bf16 x a chunk
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    rows = gemm.bind_quantize_rows(x, None, torch.randn(32, K, dtype=torch.bfloat16), fmt="int4_pg")
+    test_chunks = [(0, 128), (128, 256), (256, 300)]
+    assert rows.chunks == tuple(test_chunks) and rows.sets == 2 and rows.chained is not None
+    n = len(stubbed_sm90)
+    codes, base, lora_act = rows(x)
+    calls = stubbed_sm90[n:]
+    assert [c.names[-1] for c in calls] == ["lora", "lora_act"] * 3
+    for i, (r0, r1) in enumerate(test_chunks):
+        first, second = calls[2 * i], calls[2 * i + 1]
+        assert first[0].data_ptr() == x[r0].data_ptr() and first[0].shape == (r1 - r0, K)
+        assert second[3].data_ptr() == codes[r0].data_ptr() and second[3].shape == (r1 - r0, K // 4)
+        assert second[4].data_ptr() == base[r0].data_ptr() and second[6].data_ptr() == lora_act[r0].data_ptr()
+        rowmax, partial = first[4], first[5]
+        assert rowmax.shape[1] == partial.shape[1] == r1 - r0 and rowmax.is_contiguous() and partial.is_contiguous()
+        assert second[2] is rowmax and second[5] is partial
+    ptr = lambda i: calls[2 * i][4].data_ptr()
+    assert ptr(0) == ptr(2) != ptr(1)                                  # the sets alternate
+    assert len({k for k in gemm._compiled if k[0][0].startswith("rowmax")}) == 2   # the plain first pass and the chained one
+
+
+def test_chunk_rows():
+    "All of M when x fits the budget (or there is none); else whole 64-row tiles whose x fits, at least one."
+    assert gemm.chunk_rows(4352, 15360, 2, 0) == 4352
+    assert gemm.chunk_rows(256, 15360, 2, 1 << 24) == 256
+    assert gemm.chunk_rows(4352, 15360, 2, 1 << 24) == 512 and 512 * 15360 * 2 <= 1 << 24 < 576 * 15360 * 2
+    assert gemm.chunk_rows(4352, 15360, 2, 1000) == 64

@@ -237,3 +237,40 @@ def test_one_pass_smem_is_the_kernels_and_bad_clusters_are_refused():
             gemm.quantize_rows_one_pass(x, fmt="int4_pg", cluster=bad)
     with pytest.raises(ValueError, match="fmt: 'int4': one pass writes int4_pg or int8"):
         gemm.quantize_rows_one_pass(x, fmt="int4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4_pg", "int8"])
+@pytest.mark.parametrize("M, K, R, chunk", [(1000, 1024, 32, 192), (300, 3840, 0, 64), (4352, 15360, 32, None)])
+def test_chunked_passes_exact_against_quantize(fmt, M, K, R, chunk, monkeypatch):
+    """With x taken in chunks of rows (`chunk` rows, or the GPU's own budget: 9 chunks at M = 4352, K = 15360 on an
+    H200), the chained passes write `quantize`'s codes and bases bit for bit, on every call and in a graph replay."""
+    if chunk is not None:
+        monkeypatch.setattr(gemm, "activation_chunk_bytes", lambda dev: chunk * K * 2)
+    x, lam, down = int8_lane_case(M, K, R, torch.bfloat16, True, 5)
+    rows = gemm.bind_quantize_rows(x, lam, down.T.contiguous() if R else None, fmt=fmt)
+    assert len(rows.chunks) > 1
+    first = rows(x)
+    check_int8_lanes(*first, x, lam, down, fmt)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = rows(x)
+    for _ in range(2):
+        again = rows(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(first[:2], again[:2]))
+        assert all(torch.equal(a, b) for a, b in zip(first[:2], captured[:2]))
+
+
+def test_a_chained_first_pass_waits_at_its_end_and_the_second_pass_lets_it_start():
+    """The chained first pass (a later chunk's) is launched as a programmatic dependent and waits once, after its
+    work; the plain one never waits; the second pass lets the next launch start only once its own wait is over."""
+    count = lambda ptx, op: len(re.findall(rf"griddepcontrol\.{op}", ptx))
+    plain = gemm.compile_quant(M=4352, K=3840, R=32, k_splits=10, mode="pg_rowmax")[0]
+    chained = gemm.compile_quant(M=4352, K=3840, R=32, k_splits=10, mode="pg_rowmax", chained=True)[0]
+    second = gemm.compile_quant(M=4352, K=3840, R=32, k_splits=10, mode="int4_pg")[0]
+    assert (count(plain, "wait"), count(chained, "wait"), count(chained, "launch_dependents")) == (0, 1, 1)
+    assert count(second, "wait") == count(second, "launch_dependents") == 2       # the code warps' and the LoRA CTAs'
+    with pytest.raises(ValueError, match="chained"):
+        QuantLoraDown(32, 4, True, 10, mode="int4", chained=True)

@@ -28,14 +28,14 @@ from .operands import Problem, fail
 # %% auto #0
 __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'SCALE_DTYPE',
            'KERNEL_CACHE_ENV', 'CACHE_STATS', 'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ROW_CODES_ARGS',
-           'ACTIVATION_FORMATS', 'MAX_STREAM_WORKSPACES', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS', 'QUANT_MODES',
-           'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields', 'bind',
-           'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable', 'compile_on_fakes',
-           'example_problem', 'compile_kernel', 'kernel_cache_dir', 'cache_name', 'store_kernel', 'launchable',
-           'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4',
+           'ACTIVATION_FORMATS', 'MAX_STREAM_WORKSPACES', 'ACT_CHUNK_L2_SHARE', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS',
+           'QUANT_MODES', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields',
+           'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable',
+           'compile_on_fakes', 'example_problem', 'compile_kernel', 'kernel_cache_dir', 'cache_name', 'store_kernel',
+           'launchable', 'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4',
            'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quant_specs', 'constant',
-           'quantize_lora_down', 'stream_workspace', 'BoundRows', 'bind_quantize_rows', 'one_pass_smem',
-           'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
+           'quantize_lora_down', 'stream_workspace', 'activation_chunk_bytes', 'chunk_rows', 'BoundRows',
+           'bind_quantize_rows', 'one_pass_smem', 'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -633,44 +633,80 @@ def stream_workspace(dev, nbytes: int) -> Optional[tuple]:
             buf = spaces[key] = torch.empty(max(nbytes, 2 * buf.numel() if buf is not None else 0), dtype=torch.uint8, device=dev)
     return key, buf
 
+ACT_CHUNK_L2_SHARE = 3    # the two passes take x in chunks of at most this share of L2: one chunk re-read, the next read in
+
+_l2_bytes: dict = {}
+
+def activation_chunk_bytes(dev) -> int:
+    "Bytes of `x` per chunk of the two activation passes on `dev`: its L2 over `ACT_CHUNK_L2_SHARE`; 0 (no chunks) off CUDA."
+    if dev.type != "cuda":
+        return 0
+    if dev.index not in _l2_bytes:
+        _l2_bytes[dev.index] = torch.cuda.get_device_properties(dev.index).L2_cache_size
+    return _l2_bytes[dev.index] // ACT_CHUNK_L2_SHARE
+
+def chunk_rows(M: int, K: int, elt: int, budget: int) -> int:
+    """Rows of `x` (`M` × `K`, `elt` bytes a value) per chunk of the two activation passes: all `M` when `x` fits in
+    `budget` bytes (or `budget` is 0), else the most whole 64-row tiles whose `x` does, at least one."""
+    if budget <= 0 or M * K * elt <= budget:
+        return M
+    return max(budget // (K * elt) // 64, 1) * 64
+
+def _compact_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    "A compact `(t.shape[0], n, ...)` tensor at the start of compact `t`'s memory: a short last chunk's intermediates (the kernels take M from the shape)."
+    shape = (t.shape[0], n, *t.shape[2:])
+    return t if n == t.shape[1] else t.view(-1)[:math.prod(shape)].view(shape)
+
 class BoundRows:
     """`quantize_lora_down` for an int8-lane `fmt` (int4_pg, int8), checked and compiled once for `x`'s shape, dtype and
     device (`bind_quantize_rows`). Called with any `x` of those (contiguous), it runs both passes and returns `(codes,
     base, lora_act)`, `lora_act` None at rank 0: in new tensors, or with `workspace=True` in this stream's workspace, for
     a caller that consumes them on this stream before its next call (`ops.BoundLinear`). The row maxima and the LoRA
-    partials always live in the workspace (`stream_workspace`), but under a CUDA-graph capture."""
-    __slots__ = ("first", "second", "sm", "ldt", "R", "buffers", "offsets", "stand_in", "views")
+    partials always live in the workspace (`stream_workspace`), but under a CUDA-graph capture. Where `x` is larger than
+    `activation_chunk_bytes`, both passes run per chunk of rows (`chunk_rows`), so the second pass finds the chunk the
+    first just read still in L2; the first pass of each later chunk (`chained`) runs beside the second pass of the one
+    before, with the other of two sets of intermediates."""
+    __slots__ = ("first", "chained", "second", "sm", "ldt", "R", "chunks", "sets", "buffers", "offsets", "stand_in", "views")
     ALIGN = 256                 # bytes: each buffer of the workspace starts at a multiple (16-byte loads, TMA)
 
     def __init__(self, x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM):
         from w4a4_book.kernels.sm90_quant import QuantLoraDown, RowCodes
         if fmt == "int4":
             fail(ValueError, "fmt", "'int4': BoundRows binds the int8-lane formats (int4_pg, int8); int4 is one kernel, call quantize_lora_down")
-        launch = _quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm)
-        (M, K), ks, sig, dev, has_smooth = x.shape, launch["ks"], launch["sig"], x.device, smooth is not None
+        (M, K), dev = x.shape, x.device
+        rows = chunk_rows(M, K, x.element_size(), activation_chunk_bytes(dev))
+        launch = _quant_setup(x[:rows], smooth, lora_down_t, fmt, stages, ctas_per_sm)   # the shares of K of a chunk
+        ks, sig, has_smooth = launch["ks"], launch["sig"], smooth is not None
         self.sm, self.ldt, self.R, self.views = launch["sm"], launch["ldt"], sig[1], {}
-        # (dtype, shape) in workspace order: the intermediates, then what a call returns (codes last, the largest)
-        self.buffers = ((torch.float32, (ks, M)), (torch.float32, (ks, M, max(self.R, 16))), (torch.float32, (M,)),
-                        *(((x.dtype, (M, self.R)),) if self.R else ()), (torch.int8, (M, K)))
+        self.chunks = tuple((r, min(r + rows, M)) for r in range(0, M, rows))
+        self.sets = 1 if len(self.chunks) == 1 else 2
+        # (dtype, shape) in workspace order: the intermediates (a set per chunk in flight), then what a call returns
+        # (codes last, the largest)
+        self.buffers = (*((torch.float32, (ks, rows)), (torch.float32, (ks, rows, max(self.R, 16)))) * self.sets,
+                        (torch.float32, (M,)), *(((x.dtype, (M, self.R)),) if self.R else ()), (torch.int8, (M, K)))
         sizes = [-(-d.itemsize * math.prod(s) // self.ALIGN) * self.ALIGN for d, s in self.buffers]
         self.offsets = tuple(itertools.accumulate(sizes, initial=0))
         self.stand_in = None if self.R else _lora_out(M, 0, x.dtype, dev)
         meta = [torch.empty(s, dtype=d, device="meta") for d, s in self.buffers]
-        rowmax, partial, base, lora_act, codes = self._named(meta)
-        first = [x, self.sm, self.ldt, codes.view(torch.int32), rowmax, partial]
-        second = [x, self.sm, rowmax, codes.view(torch.int32), base, partial, lora_act]
+        sets, base, lora_act, codes = self._named(meta)
+        (rowmax, partial), xr, codes32 = sets[0], x[:rows], codes.view(torch.int32)[:rows]
+        first = [xr, self.sm, self.ldt, codes32, rowmax, partial]
+        second = [xr, self.sm, rowmax, codes32, base[:rows], partial, lora_act[:rows] if self.R else lora_act]
         self.first = launchable(("rowmax", *sig), dev, _quant_compiler(
             lambda: QuantLoraDown(self.R, stages, has_smooth, ks, mode="pg_rowmax"), QUANT_ARGS, first))
+        self.chained = None if self.sets == 1 else launchable(("rowmax chained", *sig), dev, _quant_compiler(
+            lambda: QuantLoraDown(self.R, stages, has_smooth, ks, mode="pg_rowmax", chained=True), QUANT_ARGS, first))
         self.second = launchable((fmt, *sig), dev, _quant_compiler(
             lambda: RowCodes(fmt, has_smooth, self.R, ks), ROW_CODES_ARGS, second))
 
     def _named(self, ts: list) -> tuple:
-        "`(rowmax, partial, base, lora_act, codes)` from tensors in workspace order (`lora_act` the stand-in at rank 0)."
-        return (*ts[:3], ts[3] if self.R else self.stand_in, ts[-1])
+        "`(sets, base, lora_act, codes)` from tensors in workspace order, `sets` the `(rowmax, partial)` pairs (`lora_act` the stand-in at rank 0)."
+        n = 2 * self.sets
+        return [tuple(ts[i:i + 2]) for i in range(0, n, 2)], ts[n], (ts[n + 1] if self.R else self.stand_in), ts[-1]
 
     def _tensors(self, dev, workspace: bool) -> tuple:
-        "This call's `(rowmax, partial, base, lora_act, codes, codes as int32)`: the workspace's views, or new tensors."
-        n = len(self.buffers) if workspace else 2
+        "This call's `(sets, base, lora_act, codes, codes as int32)`: the workspace's views, or new tensors."
+        n = len(self.buffers) if workspace else 2 * self.sets
         space = stream_workspace(dev, self.offsets[n])
         if space is None:
             views = [torch.empty(s, dtype=d, device=dev) for d, s in self.buffers[:n]]
@@ -684,15 +720,25 @@ class BoundRows:
                                                      if self.offsets[i + 1] <= arena.numel()])
             views = hit[1][:n]
         if not workspace:
-            views += [torch.empty(s, dtype=d, device=dev) for d, s in self.buffers[2:]]
+            views += [torch.empty(s, dtype=d, device=dev) for d, s in self.buffers[2 * self.sets:]]
         named = self._named(views)
         return (*named, named[-1].view(torch.int32))
 
     def __call__(self, x, workspace: bool = False) -> tuple:
-        rowmax, partial, base, lora_act, codes, codes32 = self._tensors(x.device, workspace)
-        self.first(x, self.sm, self.ldt, codes32, rowmax, partial)      # every share's row maxima: nothing to zero
-        self.second(x, self.sm, rowmax, codes32, base, partial, lora_act)
+        sets, base, lora_act, codes, codes32 = self._tensors(x.device, workspace)
+        if len(self.chunks) == 1:                  # the whole batch at once: no views to make
+            self._passes(self.first, x, codes32, *sets[0], base, lora_act)
+        else:
+            for c, (r0, r1) in enumerate(self.chunks):
+                rowmax, partial = (_compact_rows(t, r1 - r0) for t in sets[c % 2])
+                self._passes(self.chained if c else self.first, x[r0:r1], codes32[r0:r1], rowmax, partial, base[r0:r1],
+                             lora_act[r0:r1] if self.R else lora_act)
         return codes, base, (lora_act if self.R else None)
+
+    def _passes(self, first, x, codes32, rowmax, partial, base, lora_act):
+        "The two passes over rows `x` (a chunk or all): every share's row maxima, nothing to zero; then the codes."
+        first(x, self.sm, self.ldt, codes32, rowmax, partial)
+        self.second(x, self.sm, rowmax, codes32, base, partial, lora_act)
 
 def bind_quantize_rows(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM) -> BoundRows:
     """`quantize_lora_down`'s checks, compiles and weight-side tensors for an int8-lane `fmt` (int4_pg, int8), made once
@@ -747,12 +793,12 @@ ONE_PASS_ARGS = ("x", "recip_smooth", "lora_down_t", "codes", "base", "lora_act"
 QUANT_MODES = ("int4", "pg_rowmax", "int4_pg", "int8", "one_pass_int4_pg", "one_pass_int8")
 # `compile_quant`: QuantLoraDown's two-pass modes, RowCodes's two formats, QuantLoraDown's one-pass formats
 
-def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mode="int4"):
+def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mode="int4", chained=False):
     """PTX and shared-memory bytes of one activation kernel compiled for sm_90a on fake tensors (no GPU needed), M a
     run-time value as on the GPU:
     `QuantLoraDown` in `mode` "int4" or "pg_rowmax", the second pass `RowCodes` of format "int4_pg" or "int8", or the
-    one-pass kernel of "one_pass_int4_pg" or "one_pass_int8" (a cluster of `k_splits` CTAs). Returns `(ptx, shared
-    memory bytes)`, 0 bytes for `RowCodes`."""
+    one-pass kernel of "one_pass_int4_pg" or "one_pass_int8" (a cluster of `k_splits` CTAs); `chained`: the first
+    pass of a later chunk (`BoundRows`). Returns `(ptx, shared memory bytes)`, 0 bytes for `RowCodes`."""
     import cutlass
     from w4a4_book.kernels.sm90_parts import ArgSpec
     from w4a4_book.kernels.sm90_quant import QuantLoraDown, RowCodes, G
@@ -772,7 +818,7 @@ def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mo
         specs = [x, rs, ldt, codes, ArgSpec("base", cutlass.Float32, (M,)), ArgSpec("lora_act", dt, (M, RL) if R else (1, 16), (1, 0))]
     else:
         aux = ArgSpec("scales", dt, (K // G, M), (1, 0)) if mode == "int4" else ArgSpec("rowmax", cutlass.Float32, (k_splits, M), (1, 0))
-        k = QuantLoraDown(R, 4, smooth, k_splits, mode=mode)
+        k = QuantLoraDown(R, 4, smooth, k_splits, mode=mode, chained=chained)
         specs = [x, rs, ldt, codes, aux, lora]
     ptx, _ = compile_on_fakes(k, [s._replace(m_mode=m) for s, m in zip(specs, k.m_modes())], dynamic_m=True)
     return ptx, k.storage.size_in_bytes()

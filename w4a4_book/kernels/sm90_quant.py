@@ -119,9 +119,11 @@ class QuantLoraDown:
     HOLD_THREADS = 1024     # one pass: warpgroup w of a CTA takes K-blocks w, w + wgs, ... of its share (`hold_warpgroups`)
     SMOOTH_BLOCKS = 64      # two passes: a share of at most this many K-blocks keeps its 1/smooth in shared memory (16 KB)
 
-    def __init__(self, rank, stages=4, has_smooth=True, k_splits=1, mode="int4"):
+    def __init__(self, rank, stages=4, has_smooth=True, k_splits=1, mode="int4", chained=False):
         if mode not in self.MODES: raise ValueError(f"mode={mode!r}: must be one of {self.MODES}")
+        if chained and mode != "pg_rowmax": raise ValueError(f"chained: only the first pass (pg_rowmax) is chained, not {mode!r}")
         self.rank, self.stages, self.has_smooth, self.k_splits, self.mode = rank, stages, has_smooth, k_splits, mode
+        self.chained = chained      # a later chunk's first pass: launched as a programmatic dependent (`BoundRows`)
         self.w_stages = stages if rank else 1      # rank 0: one idle 16-row stage keeps the code uniform
         self.one_pass = mode in ("int4_pg", "int8")
         self.wgs = self.hold_warpgroups(rank) if self.one_pass else 1
@@ -205,7 +207,7 @@ class QuantLoraDown:
         self.tx = (BM + R) * G * dt.width // 8                             # bytes that land in one stage
         M = cute.size(mX, mode=[0])
         self.kernel(QuantLoads(tma_x, gX, tma_w, gW), mRecipSmooth, QuantOutputs(mCodes, mAux, mLora), mma, x_l, w_l).launch(
-            grid=((M + BM - 1) // BM, self.k_splits, 1), block=[self.threads, 1, 1], stream=stream,
+            grid=((M + BM - 1) // BM, self.k_splits, 1), block=[self.threads, 1, 1], stream=stream, use_pdl=self.chained,
             **({"cluster": [1, self.k_splits, 1]} if self.one_pass else {}))        # two passes: no cluster
 
     @cute.kernel
@@ -264,6 +266,10 @@ class QuantLoraDown:
             self.hold_share(st, pipe, rX, smooth, outs, mma, frags, k0, k_tiles)
         else:
             self.stream_share(loads, (tXgX, tXsX, tWgW, tWsW), pipe, prod, rX, (smooth, sk0), outs, mma, frags, k0, k_tiles)
+        if cutlass.const_expr(self.chained):
+            # NOTES: this chunk's pass runs beside the last chunk's second pass, which it does not read from; it ends only
+            # after that pass ends, so that the second pass after it, which waits for it, also finds the one before ended
+            cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def stage_smooth(self, mRecipSmooth, sSm, k0):
@@ -517,6 +523,7 @@ class RowCodes:
         if w < M * per_row:                                           # uniform per warp
             xr = self.load_x(mX, row, (t1 - 1) * 32 * U + lane, vpr, 0)
             cute.arch.griddepcontrol_wait()                           # the first pass's row maxima are final
+            cute.arch.griddepcontrol_launch_dependents()              # so the next chunk's first pass may start
             base = self.shares_base(mRowmax, row, lane)
             if piece == 0 and lane == 0:
                 mBase[row] = base
@@ -606,6 +613,7 @@ class RowCodes:
         acc.fill(0.0)
         part = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         cute.arch.griddepcontrol_wait()                              # the first pass's partials are final
+        cute.arch.griddepcontrol_launch_dependents()                 # so the next chunk's first pass may start
         if in_range:
             for s in cutlass.range(lane, self.k_splits, self.lanes):
                 cute.copy(copy_16b(cutlass.Float32), gP[(0, 0, None), (s, row, c)], part)
