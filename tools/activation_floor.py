@@ -5,20 +5,18 @@ share of the copy bandwidth the two passes reach can be read against what a copy
 
     python tools/activation_floor.py --out nbs/data/activation_floor_h200.json
 """
-import argparse, sys
-from pathlib import Path
+import sys
+
+import record_cli
+
+OPTIONS = dict(rank=32, iters=50)   # the numeric options and their defaults
 
 SHAPES = tuple((4352, K) for K in (3840, 10240, 15360))
 
 
 def main(argv=None):
     "Measure, print and save the record."
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--iters", type=int, default=50)
-    a = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    a = record_cli.parse(__doc__, argv, **OPTIONS)
     import torch
     from w4a4_book import gemm
     from w4a4_book.bench.layer import _activation_inputs, activation_bytes, copy_bandwidth
@@ -49,8 +47,7 @@ def main(argv=None):
                 row["of_copy"] = row["bandwidth"] / copy
             rows.append(row)
             print(f"{M}x{K} {piece}: {t['median_ms'] * 1e3:.1f} us" + (f", {row['of_copy']:.0%} of copy" if "bytes" in row else ""), flush=True)
-    command = f"python tools/activation_floor.py --out nbs/data/{a.out.name}" + (f" --rank {R}" if R != 32 else "") + \
-              (f" --iters {a.iters}" if a.iters != 50 else "")
+    command = record_cli.command("activation_floor.py", a, **OPTIONS)
     prov = provenance(command, [list(s) for s in SHAPES], kind="activation_floor", rank=R)
     print(f"saved {save_record(a.out, prov, rows)}")
 

@@ -4,8 +4,11 @@ the torch primitives a forward pays for (an allocation, a zeroed buffer, an empt
 
     python tools/host_parts.py --out nbs/data/host_parts_h200.json
 """
-import argparse, sys, time
-from pathlib import Path
+import sys, time
+
+import record_cli
+
+OPTIONS = dict(rank=32, iters=2000)   # the numeric options and their defaults
 
 SHAPES = ((256, 3840, 3072),)           # (M, K, N): host time does not depend on M; a small M keeps the GPU ahead
 LAYERS = (("int4_pg", None), ("int4_pg", "int8"))   # (weights' fmt, act_fmt): the formats whose op binds
@@ -58,12 +61,7 @@ def parts(layer, x) -> dict:
 
 def main(argv=None):
     "Measure, print and save the record."
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--iters", type=int, default=2000)
-    a = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    a = record_cli.parse(__doc__, argv, **OPTIONS)
     import torch
     from w4a4_book.layers import W4A4Linear
     from w4a4_book.records import provenance, save_record
@@ -78,8 +76,7 @@ def main(argv=None):
             for ((fmt, act_fmt), part), t in host_us(fns, a.iters).items():
                 rows.append(dict(part=part, fmt=fmt, act_fmt=act_fmt, M=M, K=K, N=N, R=a.rank, **t))
                 print(f"{fmt}/{act_fmt} M={M}: {part:16s} {t['median_us']:7.2f} us", flush=True)
-    command = f"python tools/host_parts.py --out nbs/data/{a.out.name}" + (f" --rank {a.rank}" if a.rank != 32 else "") + \
-              (f" --iters {a.iters}" if a.iters != 2000 else "")
+    command = record_cli.command("host_parts.py", a, **OPTIONS)
     prov = provenance(command, [list(s) for s in SHAPES], kind="host_parts", rank=a.rank)
     print(f"saved {save_record(a.out, prov, rows)}")
 

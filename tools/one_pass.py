@@ -5,8 +5,11 @@ in different orders), and save a record.
 
     python tools/one_pass.py --out nbs/data/activation_one_pass_h200.json
 """
-import argparse, sys
-from pathlib import Path
+import sys
+
+import record_cli
+
+OPTIONS = dict(rank=32, iters=50)   # the numeric options and their defaults
 
 SHAPES = tuple((M, K) for M in (256, 4352) for K in (3840, 10240, 15360))
 FORMATS = ("int4_pg", "int8")
@@ -19,12 +22,7 @@ def one_pass_bytes(M: int, K: int, R: int, elt: int = 2) -> int:
 
 def main(argv=None):
     "Measure, print and save the record."
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--iters", type=int, default=50)
-    a = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    a = record_cli.parse(__doc__, argv, **OPTIONS)
     import torch
     from w4a4_book import gemm
     from w4a4_book.bench.layer import _activation_inputs, activation_bytes, copy_bandwidth
@@ -59,8 +57,7 @@ def main(argv=None):
                              same_codes=same, lora_act_max_diff=lora_diff))
             print(f"{name}: {t['median_ms'] * 1e3:.1f} us, {bw / 1e12:.2f} TB/s = {bw / copy:.0%} of copy"
                   f"{'' if same else ', CODES DIFFER'}", flush=True)
-    command = f"python tools/one_pass.py --out nbs/data/{a.out.name}" + (f" --rank {R}" if R != 32 else "") + \
-              (f" --iters {a.iters}" if a.iters != 50 else "")
+    command = record_cli.command("one_pass.py", a, **OPTIONS)
     prov = provenance(command, [list(s) for s in SHAPES], kind="activation_one_pass", rank=R, formats=list(FORMATS), skipped=skipped)
     print(f"saved {save_record(a.out, prov, rows)}")
 
