@@ -237,3 +237,49 @@ def test_one_pass_smem_is_the_kernels_and_bad_clusters_are_refused():
             gemm.quantize_rows_one_pass(x, fmt="int4_pg", cluster=bad)
     with pytest.raises(ValueError, match="fmt: 'int4': one pass writes int4_pg or int8"):
         gemm.quantize_rows_one_pass(x, fmt="int4")
+
+
+COUNTED_CASES = [  # M (tails included), K, R, dtype, smooth, shares (None: counted_shares)
+    (1, 1024, 32, torch.bfloat16, True, None), (300, 1024, 128, torch.bfloat16, True, 4), (257, 3840, 0, torch.float16, False, None),
+    (4352, 3840, 32, torch.bfloat16, True, None), (1000, 1024, 256, torch.bfloat16, True, 16), (513, 15360, 32, torch.bfloat16, True, None),
+    (4352, 15360, 32, torch.bfloat16, True, 60),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4_pg", "int8"])
+@pytest.mark.parametrize("M, K, R, dt, smooth, shares", COUNTED_CASES)
+def test_counted_one_pass_exact_against_quantize(fmt, M, K, R, dt, smooth, shares):
+    """The counted one pass writes `quantize(x / smooth, fmt)` bit for bit and lora_act to its rounding, the same on a
+    second call and on a CUDA-graph replay, and leaves its counters zero."""
+    x, lam, down = int8_lane_case(M, K, R, dt, smooth, 2)
+    ldt = down.T.contiguous() if R else None
+    call = lambda: gemm.quantize_rows_counted(x, lam, ldt, fmt=fmt, shares=shares)
+    codes, base, lora_act = call()
+    check_int8_lanes(codes, base, lora_act, x, lam, down, fmt)
+    assert not gemm._counters(x.device, M).any()
+    again = call()
+    assert torch.equal(again[0], codes) and torch.equal(again[1], base) and (R == 0 or torch.equal(again[2], lora_act))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = call()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed[0], codes) and torch.equal(replayed[1], base) and (R == 0 or torch.equal(replayed[2], lora_act))
+    assert not gemm._counters(x.device, M).any()
+
+
+def test_counted_one_pass_compiles_to_counters_not_a_cluster():
+    "`counted_smem` is the kernel's storage, byte for byte; its CTAs meet through GPU-scope atomics, with no cluster; bad shares are refused."
+    for K, R, fmt in [(3840, 32, "int4_pg"), (3840, 0, "int8"), (1024, 256, "int4_pg")]:
+        c = gemm.counted_shares(K, R)
+        ptx, smem = gemm.compile_quant(M=300, K=K, R=R, k_splits=c, mode=f"counted_{fmt}")
+        assert smem == gemm.counted_smem(K, R, c) and 2 * smem <= gemm.SMEM_PER_BLOCK, (K, R, c, smem)
+        assert all(op in ptx for op in ("red.release.gpu", "ld.acquire.gpu", "atom.acq_rel.gpu", "nanosleep"))
+        assert "barrier.cluster" not in ptx and "mapa" not in ptx
+    assert [gemm.counted_shares(K, 32) for K in (3840, 10240, 15360)] == [10, 20, 30]    # two CTAs an SM at the layer shapes
+    x = bf16(64, 3840)
+    for bad in (7, 0, 1):                                            # 7 ∤ 60; 0 is no share; 1: 60 K-blocks do not fit
+        with pytest.raises(ValueError, match="shares: "):
+            gemm.quantize_rows_counted(x, fmt="int4_pg", shares=bad)

@@ -1,5 +1,6 @@
 """Time the int8-lane activation side (int4_pg and int8) at M = 256 and 4352 in one pass
-(`gemm.quantize_rows_one_pass`, a cluster per row tile, at every cluster that fits) against the two passes (`gemm.quantize_lora_down`), as CUDA-graph replays with the copy
+(`gemm.quantize_rows_one_pass`, a cluster per row tile, at every cluster that fits; and `gemm.quantize_rows_counted`,
+no cluster, at its default shares and twice as many; the `cluster` field is then the shares) against the two passes (`gemm.quantize_lora_down`), as CUDA-graph replays with the copy
 bandwidth of the same run, check that both write the same codes and bases (and how far apart their `lora_act` are: the two sum the LoRA partials
 in different orders), and save a record.
 
@@ -38,6 +39,11 @@ def main(argv=None):
         for c in range(2, QuantLoraDown.MAX_CLUSTER + 1):
             if (K // 64) % c == 0 and gemm.one_pass_smem(K, R, c) <= gemm.SMEM_PER_BLOCK:
                 runs.append(("one_pass", c, lambda c=c: gemm.quantize_rows_one_pass(x, smooth, ldt, fmt=fmt, cluster=c),
+                             one_pass_bytes(M, K, R)))
+        first = gemm.counted_shares(K, R)                # the counted one pass: its default shares and twice as many
+        for c in (first, 2 * first):
+            if (K // 64) % c == 0:
+                runs.append(("one_pass_counted", c, lambda c=c: gemm.quantize_rows_counted(x, smooth, ldt, fmt=fmt, shares=c),
                              one_pass_bytes(M, K, R)))
         for method, c, call, nbytes in runs:
             name = f"{fmt} {M}x{K} {method} cluster {c}"

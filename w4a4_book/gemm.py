@@ -28,14 +28,15 @@ from .operands import Problem, fail
 # %% auto #0
 __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'SCALE_DTYPE',
            'KERNEL_CACHE_ENV', 'CACHE_STATS', 'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ROW_CODES_ARGS',
-           'ACTIVATION_FORMATS', 'MAX_STREAM_WORKSPACES', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS', 'QUANT_MODES',
-           'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields', 'bind',
-           'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable', 'compile_on_fakes',
-           'example_problem', 'compile_kernel', 'kernel_cache_dir', 'cache_name', 'store_kernel', 'launchable',
-           'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4',
+           'ACTIVATION_FORMATS', 'MAX_STREAM_WORKSPACES', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS', 'COUNTED_ARGS',
+           'QUANT_MODES', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields',
+           'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable',
+           'compile_on_fakes', 'example_problem', 'compile_kernel', 'kernel_cache_dir', 'cache_name', 'store_kernel',
+           'launchable', 'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4',
            'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quant_specs', 'constant',
            'quantize_lora_down', 'stream_workspace', 'BoundRows', 'bind_quantize_rows', 'one_pass_smem',
-           'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
+           'one_pass_cluster', 'quantize_rows_one_pass', 'counted_smem', 'counted_shares', 'quantize_rows_counted',
+           'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -743,19 +744,68 @@ def quantize_rows_one_pass(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", c
     return codes, base, (lora_act if R else None)
 
 ONE_PASS_ARGS = ("x", "recip_smooth", "lora_down_t", "codes", "base", "lora_act")   # the one-pass kernel's tensors, in order
+COUNTED_ARGS = (*ONE_PASS_ARGS, "rowmax", "partial", "counters")   # the counted one pass's tensors, in order
 
-QUANT_MODES = ("int4", "pg_rowmax", "int4_pg", "int8", "one_pass_int4_pg", "one_pass_int8")
-# `compile_quant`: QuantLoraDown's two-pass modes, RowCodes's two formats, QuantLoraDown's one-pass formats
+def counted_smem(K: int, R: int, shares: int, elt: int = 2) -> int:
+    """Shared memory of the counted one pass (`QuantLoraDownCounted`) with `shares` CTAs per row tile: every K-block of
+    a CTA's share (x and lora_downᵀ), its barriers, each warpgroup's row maxima, the share's group maxima, the rows'
+    bases and the share's `1/smooth`, aligned as the kernel's storage is."""
+    from w4a4_book.kernels.sm90_quant import QuantLoraDownCounted
+    stages, RL, up = K // 64 // shares, max(R, 16), lambda n: -(-n // 1024) * 1024
+    vectors = 4 * 64 * (QuantLoraDownCounted.WARPGROUPS + stages + 1) + 4 * stages * 64
+    return up(up(16 * stages) + up(64 * 64 * elt * stages) + up(RL * 64 * elt * (stages if R else 1)) + vectors)
+
+def counted_shares(K: int, R: int, elt: int = 2) -> int:
+    "The counted one pass's default shares of K: the fewest (a divisor of K/64) whose CTA fits twice in an SM's shared memory."
+    blocks = K // 64
+    return next(c for c in range(1, blocks + 1) if blocks % c == 0 and 2 * counted_smem(K, R, c, elt) <= SMEM_PER_BLOCK)
+
+_COUNTERS: dict = {}     # (device, stream) → an int32 [rows, 1] buffer, zero between calls (each call leaves it so)
+
+def _counters(dev, M: int) -> torch.Tensor:
+    "This stream's zeroed counters, at least `M` rows (one per row: row 64 t is tile t's), grown as needed."
+    key = (dev, torch.cuda.current_stream(dev).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.shape[0] < M:
+        buf = _COUNTERS[key] = torch.zeros(max(M, 2 * (0 if buf is None else buf.shape[0])), 1, dtype=torch.int32, device=dev)
+    return buf[:M]
+
+def quantize_rows_counted(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", shares=None) -> tuple:
+    """`quantize_rows_one_pass`'s result with no cluster: the `shares` CTAs of a 64-row tile (a divisor of K/64;
+    default `counted_shares`) hold their shares of x and meet in global memory through a counter per tile
+    (`QuantLoraDownCounted`). Returns `(codes, base, lora_act)`, `lora_act` None without `lora_down_t`."""
+    from w4a4_book.kernels.sm90_quant import QuantLoraDownCounted, G, MAX_RANK
+    if fmt not in ("int4_pg", "int8"): fail(ValueError, "fmt", f"{fmt!r}: one pass writes int4_pg or int8")
+    M, K, R = operands.check_quant_inputs(x, smooth, lora_down_t, group_size=G, max_rank=MAX_RANK, device=False)
+    c = shares if shares is not None else counted_shares(K, R)
+    if not isinstance(c, int) or c < 1 or (K // G) % c or counted_smem(K, R, c) > SMEM_PER_BLOCK:
+        fail(ValueError, "shares", f"{c!r}: must divide K/64={K // G} and fit K/64/shares K-blocks in {SMEM_PER_BLOCK} bytes of shared memory")
+    operands.check_devices({"x": x, "smooth": smooth, "lora_down_t": lora_down_t}, (9, 0), first="x")
+    dev, w = x.device, _weight_side(x, smooth, lora_down_t)
+    codes = torch.empty(M, K, dtype=torch.int8, device=dev)
+    base = torch.empty(M, dtype=torch.float32, device=dev)
+    lora_act = _lora_out(M, R, x.dtype, dev)
+    rowmax = torch.empty(c, M, dtype=torch.float32, device=dev)
+    partial = torch.empty(c, M, R, dtype=torch.float32, device=dev) if R else constant(0.0, (1, 1, 16), torch.float32, dev)
+    key = ("one pass counted", fmt, K, R, x.dtype, smooth is not None, c)
+    _launch_quant(key, lambda: QuantLoraDownCounted(R, K // G // c, smooth is not None, c, mode=fmt),
+                  [x, w["sm"], w["ldt"], codes.view(torch.int32), base, lora_act, rowmax, partial, _counters(dev, M)], COUNTED_ARGS)
+    return codes, base, (lora_act if R else None)
+
+QUANT_MODES = ("int4", "pg_rowmax", "int4_pg", "int8", "one_pass_int4_pg", "one_pass_int8", "counted_int4_pg", "counted_int8")
+# `compile_quant`: QuantLoraDown's two-pass modes, RowCodes's two formats, QuantLoraDown's one-pass formats, and those
+# of QuantLoraDownCounted
 
 def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mode="int4"):
     """PTX and shared-memory bytes of one activation kernel compiled for sm_90a on fake tensors (no GPU needed), M a
     run-time value as on the GPU:
     `QuantLoraDown` in `mode` "int4" or "pg_rowmax", the second pass `RowCodes` of format "int4_pg" or "int8", or the
-    one-pass kernel of "one_pass_int4_pg" or "one_pass_int8" (a cluster of `k_splits` CTAs). Returns `(ptx, shared
-    memory bytes)`, 0 bytes for `RowCodes`."""
+    one-pass kernel of "one_pass_int4_pg" or "one_pass_int8" (a cluster of `k_splits` CTAs), or its counted twin
+    "counted_int4_pg" or "counted_int8" (`k_splits` CTAs meeting in global memory). Returns `(ptx, shared memory
+    bytes)`, 0 bytes for `RowCodes`."""
     import cutlass
     from w4a4_book.kernels.sm90_parts import ArgSpec
-    from w4a4_book.kernels.sm90_quant import QuantLoraDown, RowCodes, G
+    from w4a4_book.kernels.sm90_quant import QuantLoraDown, QuantLoraDownCounted, RowCodes, G
     if mode not in QUANT_MODES: fail(ValueError, "mode", f"{mode!r}: must be one of {QUANT_MODES}")
     dt, RL = dtype or cutlass.BFloat16, max(R, 16)
     x, rs = ArgSpec("x", dt, (M, K), (1, 0)), ArgSpec("recip_smooth", cutlass.Float32, (K,))
@@ -767,9 +817,15 @@ def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mo
         k = RowCodes(mode, smooth, R, k_splits)
         return compile_on_fakes(k, [s._replace(m_mode=m) for s, m in zip(specs, k.m_modes())], dynamic_m=True)[0], 0
     ldt = ArgSpec("lora_down_t", dt, (RL, K), (1, 0))
-    if mode.startswith("one_pass_"):
-        k = QuantLoraDown(R, K // G // k_splits, smooth, k_splits, mode=mode[len("one_pass_"):])
+    if mode.startswith(("one_pass_", "counted_")):
+        fmt = mode[mode.index("int"):]
+        cls = QuantLoraDownCounted if mode.startswith("counted_") else QuantLoraDown
+        k = cls(R, K // G // k_splits, smooth, k_splits, mode=fmt)
         specs = [x, rs, ldt, codes, ArgSpec("base", cutlass.Float32, (M,)), ArgSpec("lora_act", dt, (M, RL) if R else (1, 16), (1, 0))]
+        if cls is QuantLoraDownCounted:
+            specs += [ArgSpec("rowmax", cutlass.Float32, (k_splits, M), (1, 0)),
+                      ArgSpec("partial", cutlass.Float32, (k_splits, M, RL) if R else (1, 1, 16), (2, 1, 0)),
+                      ArgSpec("counters", cutlass.Int32, (M, 1), (1, 0))]
     else:
         aux = ArgSpec("scales", dt, (K // G, M), (1, 0)) if mode == "int4" else ArgSpec("rowmax", cutlass.Float32, (k_splits, M), (1, 0))
         k = QuantLoraDown(R, 4, smooth, k_splits, mode=mode)

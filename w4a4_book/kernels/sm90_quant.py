@@ -6,7 +6,8 @@
 __all__ = ['G', 'INT4_MIN', 'INT4_MAX', 'MAX_RANK', 'PG_U_MIN', 'PG_U_MAX', 'INT8_MAX', 'FLOAT32_MAX', 'VEC', 'ROUNDER',
            'copy_16b', 'div_rn', 'mul_rn', 'recip_or_zero', 'f32_bits', 'pack4_bytes', 'round_even_i32', 'smooth_amax',
            'QuantLoads', 'QuantOutputs', 'QuantLoraDown', 'row_base', 'group_scale', 'pack_int8', 'RowCodes',
-           'st_cluster_f32', 'cluster_sync']
+           'st_cluster_f32', 'cluster_sync', 'counter_addr', 'fence_gpu', 'arrive_release_gpu', 'load_acquire_gpu',
+           'add_acq_rel_gpu', 'store_relaxed_gpu', 'nanosleep', 'CountedOutputs', 'QuantLoraDownCounted']
 
 # %% ../../nbs/08a_quant.ipynb #4256630b
 from typing import NamedTuple
@@ -118,6 +119,7 @@ class QuantLoraDown:
     MAX_CLUSTER = 16        # CTAs in a cluster: 16 is Hopper's largest (non-portable) cluster
     HOLD_THREADS = 1024     # one pass: warpgroup w of a CTA takes K-blocks w, w + wgs, ... of its share (`hold_warpgroups`)
     SMOOTH_BLOCKS = 64      # two passes: a share of at most this many K-blocks keeps its 1/smooth in shared memory (16 KB)
+    counted = False         # one pass through global memory and a counter per row tile, not a cluster (`QuantLoraDownCounted`)
 
     def __init__(self, rank, stages=4, has_smooth=True, k_splits=1, mode="int4"):
         if mode not in self.MODES: raise ValueError(f"mode={mode!r}: must be one of {self.MODES}")
@@ -126,7 +128,7 @@ class QuantLoraDown:
         self.one_pass = mode in ("int4_pg", "int8")
         self.wgs = self.hold_warpgroups(rank) if self.one_pass else 1
         self.threads = 128 * self.wgs
-        if self.one_pass and not (1 <= k_splits <= self.MAX_CLUSTER and stages >= 2):
+        if self.one_pass and not self.counted and not (1 <= k_splits <= self.MAX_CLUSTER and stages >= 2):
             raise ValueError(f"k_splits={k_splits}, stages={stages}: one pass holds a cluster of at most "
                              f"{self.MAX_CLUSTER} CTAs, each with all (at least two) of its K-blocks")
 
@@ -188,6 +190,15 @@ class QuantLoraDown:
         pg_rowmax: mAux (k_splits, M) fp32, each share's row maxima of |x/smooth| (`RowCodes` takes their max); mCodes unused.
         int4_pg, int8 (one pass): mCodes (M, K/4) int32, four int8 `q·u` each; mAux (M,) fp32 `base`; mLora (M, R)
         16-bit `lora_act` (a stand-in at rank 0); `stages` is each CTA's number of K-blocks, all held at once."""
+        loads, mma, x_l, w_l = self.prepare(mX, mLdT)
+        M = cute.size(mX, mode=[0])
+        self.kernel(loads, mRecipSmooth, QuantOutputs(mCodes, mAux, mLora), mma, x_l, w_l).launch(
+            grid=((M + self.tile_m - 1) // self.tile_m, self.k_splits, 1), block=[self.threads, 1, 1], stream=stream,
+            **({"cluster": [1, self.k_splits, 1]} if self.one_pass else {}))        # two passes: no cluster
+
+    @cute.jit
+    def prepare(self, mX: cute.Tensor, mLdT: cute.Tensor):
+        "The TMA loads of x and lora_downᵀ, the LoRA MMA, the stages' layouts and the shared storage: `(loads, mma, x_l, w_l)`."
         BM, R, S = self.tile_m, self.rank, self.stages
         dt = mX.element_type
         row = utils.LayoutEnum.ROW_MAJOR
@@ -203,17 +214,20 @@ class QuantLoraDown:
 
         self.storage = self.make_storage(dt, x_l, w_l, cute.size(mX, mode=[1]))
         self.tx = (BM + R) * G * dt.width // 8                             # bytes that land in one stage
-        M = cute.size(mX, mode=[0])
-        self.kernel(QuantLoads(tma_x, gX, tma_w, gW), mRecipSmooth, QuantOutputs(mCodes, mAux, mLora), mma, x_l, w_l).launch(
-            grid=((M + BM - 1) // BM, self.k_splits, 1), block=[self.threads, 1, 1], stream=stream,
-            **({"cluster": [1, self.k_splits, 1]} if self.one_pass else {}))        # two passes: no cluster
+        return QuantLoads(tma_x, gX, tma_w, gW), mma, x_l, w_l
+
+    @cute.jit
+    def tile_and_share(self):
+        "This CTA's `(row tile, share of K)`: block x and y here (`QuantLoraDownCounted` puts a tile's shares side by side)."
+        bidx, kz, _ = cute.arch.block_idx()
+        return bidx, kz
 
     @cute.kernel
     def kernel(self, loads, mRecipSmooth, outs, mma: cute.TiledMma, x_l, w_l):
         BM, R, S = self.tile_m, self.rank, self.stages
         tma_x, gX, tma_w, gW = loads
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, kz, _ = cute.arch.block_idx()                          # row tile, share of K
+        bidx, kz = self.tile_and_share()                             # row tile, share of K
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if cutlass.const_expr(self.mode == "pg_rowmax"):
             cute.arch.griddepcontrol_launch_dependents()            # `RowCodes` may launch now: it waits before reading ours
@@ -346,7 +360,8 @@ def hold_share(self: QuantLoraDown, st, pipe, rX, sSm, outs, mma, frags, k0, k_t
     wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
     m_local, half = (tidx % 128) // 2, tidx % 2                   # in its warpgroup: row m_local, values 32·half ...
     gmax = st.gmax.get_tensor(cute.make_layout((self.tile_m, S)))  # (row, K-block): the share's group maxima
-    cute.arch.cluster_arrive_relaxed()                            # this CTA runs: the cluster may store into it
+    if cutlass.const_expr(not self.counted):
+        cute.arch.cluster_arrive_relaxed()                        # this CTA runs: the cluster may store into it
     rowmax = cutlass.Float32(0.0)
     for j in cutlass.range(wg, k_tiles, self.wgs, unroll=1):
         pipe.consumer_wait(pipeline.PipelineState(S, j, j, cutlass.Int32(0)))    # stage j's one fill
@@ -361,7 +376,10 @@ def hold_share(self: QuantLoraDown, st, pipe, rX, sSm, outs, mma, frags, k0, k_t
             gmax[m_local, j] = amax                                        # the shuffle gave both halves the same max
     if cutlass.const_expr(R > 0):
         cute.nvgpu.warpgroup.wait_group(0)
-    self.finish_in_cluster(st, rX, sSm, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles)
+    if cutlass.const_expr(self.counted):
+        self.finish_counted(st, rX, sSm, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles)
+    else:
+        self.finish_in_cluster(st, rX, sSm, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles)
 
 
 # %% ../../nbs/08a_quant.ipynb #ae82f985
@@ -641,13 +659,12 @@ def finish_in_cluster(self: QuantLoraDown, st, rX, sSm, outs, acc, tCcC, rowmax,
     shared memory and pushed to the cluster (`push_to_cluster`); after one cluster barrier every CTA reads only its
     own shared memory: the rows' `base`, this CTA's rows of `lora_act`, and the codes of the x it holds, each
     warpgroup those of its K-blocks."""
-    BM, ks, wgs, pg = self.tile_m, self.k_splits, self.wgs, self.mode == "int4_pg"
+    BM, ks, pg = self.tile_m, self.k_splits, self.mode == "int4_pg"
     mCodes, mBase, mLoraAct = outs
     bidx, kz, _ = cute.arch.block_idx()
     wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
     M, m = cute.size(mCodes, mode=[0]), bidx * BM + m_local
     _, red_all, _ = self.exchange(st)
-    gmax = st.gmax.get_tensor(cute.make_layout((BM, self.stages)))
     bases = st.bases.get_tensor(cute.make_layout((BM,)))
     self.push_to_cluster(st, acc, tCcC, rowmax, m_local, half)
     cluster_sync()                                                      # every push has landed
@@ -661,9 +678,19 @@ def finish_in_cluster(self: QuantLoraDown, st, rX, sSm, outs, acc, tCcC, rowmax,
     if cutlass.const_expr(self.rank > 0):
         self.lora_rows(st, mLoraAct, bidx, kz, M)
     cute.arch.barrier()                                                 # the bases, for every warpgroup
-    base = bases[m_local]
+    self.write_codes(st, rX, sSm, mCodes, m_local, half, k0, k_tiles)
+
+@patch
+@cute.jit
+def write_codes(self: QuantLoraDown, st, rX, sSm, mCodes, m_local, half, k0, k_tiles):
+    "One pass, once the rows' bases are in shared memory: the codes of the x this CTA holds, each warpgroup those of its K-blocks."
+    wg, pg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4, self.mode == "int4_pg"
+    bidx, _ = self.tile_and_share()
+    M, m = cute.size(mCodes, mode=[0]), bidx * self.tile_m + m_local
+    gmax = st.gmax.get_tensor(cute.make_layout((self.tile_m, self.stages)))
+    base = st.bases.get_tensor(cute.make_layout((self.tile_m,)))[m_local]
     gC = cute.zipped_divide(mCodes, (1, 4))                             # ((1, 4), (M, K/16)): 16 bytes of codes
-    for j in cutlass.range(wg, k_tiles, wgs, unroll=1):
+    for j in cutlass.range(wg, k_tiles, self.wgs, unroll=1):
         xs, _ = self.load_group(rX, sSm, m_local, half, j, j)
         u, recip = group_scale(gmax[m_local, j], base, pg)
         words = cute.make_rmem_tensor((8,), cutlass.Int32)
@@ -675,26 +702,35 @@ def finish_in_cluster(self: QuantLoraDown, st, rX, sSm, outs, acc, tCcC, rowmax,
 
 @patch
 @cute.jit
-def push_to_cluster(self: QuantLoraDown, st, acc, tCcC, rowmax, m_local, half):
-    """Each warpgroup's row maxima, then its LoRA partial added in warpgroup order (into the ring's bytes: every
-    wgmma was waited on), are combined in shared memory; then CTA `kz` stores its 64 row maxima into slot `kz` of
-    every cluster CTA's `red_all`, and each row's partial into slot `kz` of the `lora_in` of the CTA owning the row.
-    NOTES: stores to the cluster need no reply, where loads would wait one round trip each."""
-    BM, R, ks, wgs = self.tile_m, self.rank, self.k_splits, self.wgs
-    tidx, _, _ = cute.arch.thread_idx()
-    _, kz, _ = cute.arch.block_idx()
+def combine(self: QuantLoraDown, st, acc, tCcC, rowmax, m_local, half):
+    """One pass, after the K-loop: each warpgroup's row maxima into `red`, and its LoRA partial added in warpgroup order
+    into the ring's bytes (every wgmma was waited on); returns that sum, `(BM, R)` fp32 in shared memory."""
+    BM, R = self.tile_m, self.rank
     wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
-    red, red_all, lora_in = self.exchange(st)
+    red = st.red.get_tensor(cute.make_layout((BM, self.wgs)))
     part = cute.make_tensor(cute.recast_ptr(st.w.data_ptr(), dtype=cutlass.Float32), cute.make_layout((BM, max(R, 16)), stride=(max(R, 16), 1)))
     if half == 0:
         red[m_local, wg] = rowmax                                       # the shuffle gave both halves the same max
     cute.arch.barrier()                                                 # every warpgroup's wgmmas are done with the ring
-    for w in cutlass.range_constexpr(wgs if R > 0 else 0):
+    for w in cutlass.range_constexpr(self.wgs if R > 0 else 0):
         if wg == w:
             for i in cutlass.range_constexpr(cute.size(acc)):
                 mm, r = tCcC[i]
                 part[mm, r] = acc[i] if w == 0 else part[mm, r] + acc[i]
         cute.arch.barrier()
+    return part
+
+@patch
+@cute.jit
+def push_to_cluster(self: QuantLoraDown, st, acc, tCcC, rowmax, m_local, half):
+    """The warpgroups' row maxima and LoRA partials combined in shared memory (`combine`); then CTA `kz` stores its 64 row maxima into slot `kz` of
+    every cluster CTA's `red_all`, and each row's partial into slot `kz` of the `lora_in` of the CTA owning the row.
+    NOTES: stores to the cluster need no reply, where loads would wait one round trip each."""
+    BM, R, ks, wgs = self.tile_m, self.rank, self.k_splits, self.wgs
+    tidx, _, _ = cute.arch.thread_idx()
+    _, kz, _ = cute.arch.block_idx()
+    red, red_all, lora_in = self.exchange(st)
+    part = self.combine(st, acc, tCcC, rowmax, m_local, half)
     cute.arch.cluster_wait()                                            # every CTA of the cluster has started
     for i in cutlass.range(tidx, BM * ks, self.threads, unroll=1):      # row i % BM to CTA i // BM
         mx = red[i % BM, 0]
@@ -729,3 +765,182 @@ def lora_rows(self: QuantLoraDown, st, mLoraAct, bidx, kz, M):
             out.store(acc8.load().to(mLoraAct.element_type))
             cute.copy(copy_16b(mLoraAct.element_type), out, gO[(0, None), (bidx * BM + mm, c)])
 
+
+# %% ../../nbs/08a_quant.ipynb #e0916b63
+@cute.jit
+def counter_addr(mCounters: cute.Tensor, row):
+    "The global address of int32 counter `mCounters[row, 0]`, for the GPU-scope operations below."
+    return mCounters.iterator.toint() + cutlass.Int64(cute.crd2idx((row, 0), mCounters.layout)) * 4
+
+def _asm_void(op, constraints, *xs, loc=None, ip=None):
+    llvm.inline_asm(None, [x.ir_value(loc=loc, ip=ip) for x in xs], op, constraints, has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+def _asm_i32(op, constraints, *xs, loc=None, ip=None):
+    return cutlass.Int32(llvm.inline_asm(T.i32(), [x.ir_value(loc=loc, ip=ip) for x in xs], op, constraints,
+                                         has_side_effects=True, is_align_stack=False,
+                                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+@dsl_user_op
+def fence_gpu(*, loc=None, ip=None):
+    "Order this thread's memory operations before and after at GPU scope (`fence.acq_rel.gpu`, `__threadfence`)."
+    _asm_void("fence.acq_rel.gpu;", "", loc=loc, ip=ip)
+
+@dsl_user_op
+def arrive_release_gpu(addr, *, loc=None, ip=None):
+    "Add 1 to the int32 at global `addr`, a release at GPU scope (`red.release.gpu`)."
+    _asm_void("red.release.gpu.global.add.s32 [$0], 1;", "l", cutlass.Int64(addr), loc=loc, ip=ip)
+
+@dsl_user_op
+def load_acquire_gpu(addr, *, loc=None, ip=None):
+    "The int32 at global `addr`, read anew on every call, an acquire at GPU scope (`ld.acquire.gpu`)."
+    return _asm_i32("ld.acquire.gpu.global.s32 $0, [$1];", "=r,l", cutlass.Int64(addr), loc=loc, ip=ip)
+
+@dsl_user_op
+def add_acq_rel_gpu(addr, value, *, loc=None, ip=None):
+    "Add `value` to the int32 at global `addr` (`atom.acq_rel.gpu`); returns what it held."
+    return _asm_i32("atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r", cutlass.Int64(addr), cutlass.Int32(value),
+                    loc=loc, ip=ip)
+
+@dsl_user_op
+def store_relaxed_gpu(addr, value, *, loc=None, ip=None):
+    "Store int32 `value` at global `addr` (`st.relaxed.gpu`)."
+    _asm_void("st.relaxed.gpu.global.s32 [$0], $1;", "l,r", cutlass.Int64(addr), cutlass.Int32(value), loc=loc, ip=ip)
+
+@dsl_user_op
+def nanosleep(ns: int, *, loc=None, ip=None):
+    "Let the warp's scheduler run others for about `ns` nanoseconds (`nanosleep`; a hint)."
+    _asm_void(f"nanosleep.u32 {ns};", "", loc=loc, ip=ip)
+
+@parts.kernel_bundle
+class CountedOutputs(NamedTuple):
+    """What the counted one pass writes: codes (M, K/4) int32, base (M,), lora_act (M, R), and through global memory
+    each share's row maxima (k_splits, M) fp32, its LoRA partials (k_splits, M, R) fp32 and a counter per row tile (M, 1) int32."""
+    codes: object; base: object; lora_act: object; rowmax: object; partial: object; counters: object
+
+class QuantLoraDownCounted(QuantLoraDown):
+    """The one pass of the int8-lane formats without a cluster: the `k_splits` CTAs of a row tile sit side by side in
+    the grid and meet in global memory. Each holds its share of x (`hold_share`), writes its row maxima and LoRA
+    partial, counts itself in on the tile's counter and waits until all have; then takes the rows' bases from every
+    share's maxima, sums its own rows of `lora_act` and writes the codes of the x it holds. With `WARPGROUPS` warpgroups
+    and a share that fits in half the shared memory, two CTAs share an SM: one loads while the other writes.
+    NOTES: a CTA waits only on its own tile's shares, all later in the grid than the tile's first; CTAs start in grid
+    order, so a tile's shares are all started or done once its last one starts, and every waiting CTA is waiting on
+    CTAs that run (a schedule the hardware keeps, which CUDA does not promise)."""
+    counted = True
+    WARPGROUPS = 2
+    BACKOFF_NS = 100
+
+    @classmethod
+    def hold_warpgroups(cls, rank: int) -> int:
+        "Warpgroups of a CTA: `WARPGROUPS`, whatever the rank (a thread keeps its `rank / 2` LoRA accumulators)."
+        return cls.WARPGROUPS
+
+    def make_storage(self, dt, x_l, w_l, K: int):
+        "The shared storage: the ring's barriers, every K-block of the share (x and lora_downᵀ), each warpgroup's row maxima, the share's group maxima, the rows' bases, the share's `1/smooth`."
+        S, BM, f32 = self.stages, self.tile_m, cutlass.Float32
+        if S * self.k_splits != K // G:
+            raise ValueError(f"stages={S}, k_splits={self.k_splits}: one pass holds all K/64={K // G} K-blocks of a row tile")
+        fields = dict(full=cute.struct.MemRange[cutlass.Int64, S], empty=cute.struct.MemRange[cutlass.Int64, S],
+                      x=cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(x_l)], 1024],
+                      w=cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(w_l)], 1024],
+                      red=cute.struct.MemRange[f32, BM * self.wgs], gmax=cute.struct.MemRange[f32, BM * S],
+                      bases=cute.struct.MemRange[f32, BM],
+                      smooth=cute.struct.Align[cute.struct.MemRange[f32, K // self.k_splits], 16])
+        return cute.struct(type("Storage", (), {"__annotations__": fields}))
+
+    def m_modes(self) -> tuple:
+        "Each argument's mode of extent M, in `__call__`'s order (None: none; at rank 0 `lora_act` and the partials are stand-ins)."
+        return (0, None, None, 0, 0, 0 if self.rank else None, 1, 1 if self.rank else None, 0)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mRecipSmooth: cute.Tensor, mLdT: cute.Tensor, mCodes: cute.Tensor,
+                 mBase: cute.Tensor, mLoraAct: cute.Tensor, mRowmax: cute.Tensor, mPartial: cute.Tensor,
+                 mCounters: cute.Tensor, stream: cuda.CUstream):
+        """As the one pass of `QuantLoraDown`, and mRowmax (k_splits, M) fp32, mPartial (k_splits, M, R) fp32 (a stand-in
+        at rank 0), mCounters (M, 1) int32, zero before the launch and zero again after it (row `64 t` is tile t's)."""
+        loads, mma, x_l, w_l = self.prepare(mX, mLdT)
+        M = cute.size(mX, mode=[0])
+        outs = CountedOutputs(mCodes, mBase, mLoraAct, mRowmax, mPartial, mCounters)
+        self.kernel(loads, mRecipSmooth, outs, mma, x_l, w_l).launch(
+            grid=(self.k_splits, (M + self.tile_m - 1) // self.tile_m, 1), block=[self.threads, 1, 1], stream=stream)
+
+    @cute.jit
+    def tile_and_share(self):
+        "This CTA's `(row tile, share of K)`: a tile's shares side by side in the grid (block x the share)."
+        kz, bidx, _ = cute.arch.block_idx()
+        return bidx, kz
+
+    @cute.jit
+    def finish_counted(self, st, rX, sSm, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles):
+        """After the K-loop: this share's row maxima and LoRA partial out to global memory, counted in on the tile's
+        counter, a wait for the tile's other shares; then the rows' bases, this CTA's rows of `lora_act`, counted out
+        (the tile's last CTA out zeroes the counter), and the codes."""
+        BM, R, ks, pg = self.tile_m, self.rank, self.k_splits, self.mode == "int4_pg"
+        mCodes, mBase, mLoraAct, mRowmax, mPartial, mCounters = outs
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, kz = self.tile_and_share()
+        wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
+        M, m, row0 = cute.size(mCodes, mode=[0]), bidx * BM + m_local, bidx * BM
+        part = self.combine(st, acc, tCcC, rowmax, m_local, half)
+        red = st.red.get_tensor(cute.make_layout((BM, self.wgs)))
+        bases = st.bases.get_tensor(cute.make_layout((BM,)))
+        for i in cutlass.range(tidx, BM, self.threads, unroll=1):
+            if row0 + i < M:
+                mx = red[i, 0]
+                for w in cutlass.range_constexpr(1, self.wgs):
+                    mx = cute.arch.fmax(mx, red[i, w])
+                mRowmax[kz, row0 + i] = mx
+        if cutlass.const_expr(R > 0):
+            for i in cutlass.range(tidx, BM * R, self.threads, unroll=1):
+                if row0 + i // R < M:
+                    mPartial[kz, row0 + i // R, i % R] = part[i // R, i % R]
+        fence_gpu()                                                     # this thread's stores, before the count
+        cute.arch.barrier()
+        addr = counter_addr(mCounters, row0)
+        if tidx == 0:
+            arrive_release_gpu(addr)
+            seen = load_acquire_gpu(addr)
+            while seen < ks:
+                nanosleep(self.BACKOFF_NS)
+                seen = load_acquire_gpu(addr)
+        cute.arch.barrier()
+        fence_gpu()                                                     # every share's stores, before this thread's loads
+        if wg == 0 and half == 0:
+            row_max = cutlass.Float32(0.0)
+            if m < M:
+                for s in cutlass.range(ks, unroll=1):
+                    row_max = cute.arch.fmax(row_max, mRowmax[s, m])
+            bases[m_local] = row_base(row_max, pg)
+            if m < M and kz == 0:
+                mBase[m] = bases[m_local]
+        if cutlass.const_expr(R > 0):
+            self.lora_rows_counted(mPartial, mLoraAct, bidx, kz, M)
+        cute.arch.barrier()                                             # the bases; every read of the maxima and partials done
+        if tidx == 0:
+            if add_acq_rel_gpu(addr, 1) == 2 * ks - 1:                  # the tile's last CTA out
+                store_relaxed_gpu(addr, 0)
+        self.write_codes(st, rX, sSm, mCodes, m_local, half, k0, k_tiles)
+
+    @cute.jit
+    def lora_rows_counted(self, mPartial, mLoraAct, bidx, kz, M):
+        """CTA `kz`'s rows of the row tile's `lora_act`: rows `kz, kz + k_splits, ...`, eight `r` per thread, each the
+        sum of the shares' partials in share order, rounded once."""
+        BM, R, ks = self.tile_m, self.rank, self.k_splits
+        tidx, _, _ = cute.arch.thread_idx()
+        per_row = R // VEC
+        gP = cute.zipped_divide(mPartial, (1, 1, VEC))                 # ((1, 1, VEC), (k_splits, M, R/VEC))
+        gO = cute.zipped_divide(mLoraAct, (1, VEC))                    # ((1, VEC), (M, R/VEC))
+        for it in cutlass.range(tidx, -(-BM // ks) * per_row, self.threads, unroll=1):
+            mm, c = kz + ks * (it // per_row), it % per_row
+            if mm < BM and bidx * BM + mm < M:
+                acc8 = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+                acc8.fill(0.0)
+                p = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+                for s in cutlass.range(ks, unroll=1):
+                    cute.copy(copy_16b(cutlass.Float32), gP[(0, 0, None), (s, bidx * BM + mm, c)], p)
+                    for e in cutlass.range_constexpr(VEC):
+                        acc8[e] = acc8[e] + p[e]
+                out = cute.make_rmem_tensor((VEC,), mLoraAct.element_type)
+                out.store(acc8.load().to(mLoraAct.element_type))
+                cute.copy(copy_16b(mLoraAct.element_type), out, gO[(0, None), (bidx * BM + mm, c)])
