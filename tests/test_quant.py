@@ -6,7 +6,7 @@ import torch
 
 from w4a4_book import gemm
 from w4a4_book.operands import check_quant_inputs
-from w4a4_book.kernels.sm90_quant import G, MAX_RANK, VEC, QuantLoraDown, RowCodes
+from w4a4_book.kernels.sm90_quant import G, MAX_RANK, VEC, QuantLoraDown, QuantLoraDownCounted, RowCodes
 from w4a4_book.formats import quantize, reciprocal
 
 
@@ -241,7 +241,7 @@ def test_one_pass_smem_is_the_kernels_and_bad_clusters_are_refused():
 
 COUNTED_CASES = [  # M (tails included), K, R, dtype, smooth, shares (None: counted_shares)
     (1, 1024, 32, torch.bfloat16, True, None), (300, 1024, 128, torch.bfloat16, True, 4), (257, 3840, 0, torch.float16, False, None),
-    (4352, 3840, 32, torch.bfloat16, True, None), (1000, 1024, 256, torch.bfloat16, True, 16), (513, 15360, 32, torch.bfloat16, True, None),
+    (4352, 3840, 32, torch.bfloat16, True, None), (1000, 1024, 256, torch.bfloat16, True, 8), (513, 15360, 32, torch.bfloat16, True, None),
     (4352, 15360, 32, torch.bfloat16, True, 60),
 ]
 
@@ -283,3 +283,7 @@ def test_counted_one_pass_compiles_to_counters_not_a_cluster():
     for bad in (7, 0, 1):                                            # 7 ∤ 60; 0 is no share; 1: 60 K-blocks do not fit
         with pytest.raises(ValueError, match="shares: "):
             gemm.quantize_rows_counted(x, fmt="int4_pg", shares=bad)
+    with pytest.raises(ValueError, match="shares: 60"):              # one K-block a share: the LoRA partial would not fit its ring
+        gemm.quantize_rows_counted(x, fmt="int4_pg", shares=60, lora_down_t=bf16(32, 3840))
+    with pytest.raises(ValueError, match="holds at least two K-blocks"):
+        QuantLoraDownCounted(32, 1, True, 60)

@@ -778,8 +778,8 @@ def quantize_rows_counted(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", sh
     if fmt not in ("int4_pg", "int8"): fail(ValueError, "fmt", f"{fmt!r}: one pass writes int4_pg or int8")
     M, K, R = operands.check_quant_inputs(x, smooth, lora_down_t, group_size=G, max_rank=MAX_RANK, device=False)
     c = shares if shares is not None else counted_shares(K, R)
-    if not isinstance(c, int) or c < 1 or (K // G) % c or counted_smem(K, R, c) > SMEM_PER_BLOCK:
-        fail(ValueError, "shares", f"{c!r}: must divide K/64={K // G} and fit K/64/shares K-blocks in {SMEM_PER_BLOCK} bytes of shared memory")
+    if not isinstance(c, int) or c < 1 or (K // G) % c or counted_smem(K, R, c) > SMEM_PER_BLOCK or (R and K // G // c < 2):
+        fail(ValueError, "shares", f"{c!r}: must divide K/64={K // G} and fit K/64/shares K-blocks (at least two at R > 0) in {SMEM_PER_BLOCK} bytes of shared memory")
     operands.check_devices({"x": x, "smooth": smooth, "lora_down_t": lora_down_t}, (9, 0), first="x")
     dev, w = x.device, _weight_side(x, smooth, lora_down_t)
     codes = torch.empty(M, K, dtype=torch.int8, device=dev)

@@ -831,6 +831,12 @@ class QuantLoraDownCounted(QuantLoraDown):
     WARPGROUPS = 2
     BACKOFF_NS = 100
 
+    def __init__(self, rank, stages=2, has_smooth=True, k_splits=1, mode="int4_pg"):
+        super().__init__(rank, stages, has_smooth, k_splits, mode)
+        if not self.one_pass or stages < (2 if rank else 1):
+            # NOTES: `combine` sums the LoRA partial, 64 × R fp32, into the bytes of the share's lora_downᵀ, R × 64 × 2 per K-block
+            raise ValueError(f"mode={mode!r}, stages={stages}: a counted one pass writes int4_pg or int8 and holds at least two K-blocks at R > 0")
+
     @classmethod
     def hold_warpgroups(cls, rank: int) -> int:
         "Warpgroups of a CTA: `WARPGROUPS`, whatever the rank (a thread keeps its `rank / 2` LoRA accumulators)."
