@@ -287,3 +287,9 @@ def test_counted_one_pass_compiles_to_counters_not_a_cluster():
         gemm.quantize_rows_counted(x, fmt="int4_pg", shares=60, lora_down_t=bf16(32, 3840))
     with pytest.raises(ValueError, match="holds at least two K-blocks"):
         QuantLoraDownCounted(32, 1, True, 60)
+
+
+def test_the_layer_binds_the_counted_one_pass_only_when_asked(monkeypatch):
+    "An experiment's switch: `$W4A4_BOOK_ACT_ONE_PASS=counted` makes `bind_quantize_rows` give the counted one pass; unset, the two passes."
+    monkeypatch.setenv(gemm.ACT_ONE_PASS_ENV, "counted")
+    assert isinstance(gemm.bind_quantize_rows(bf16(64, 1024), fmt="int8"), gemm.BoundRowsCounted)

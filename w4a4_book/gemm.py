@@ -28,15 +28,15 @@ from .operands import Problem, fail
 # %% auto #0
 __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'SCALE_DTYPE',
            'KERNEL_CACHE_ENV', 'CACHE_STATS', 'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ROW_CODES_ARGS',
-           'ACTIVATION_FORMATS', 'MAX_STREAM_WORKSPACES', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS', 'COUNTED_ARGS',
-           'QUANT_MODES', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields',
-           'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable',
-           'compile_on_fakes', 'example_problem', 'compile_kernel', 'kernel_cache_dir', 'cache_name', 'store_kernel',
-           'launchable', 'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4',
-           'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quant_specs', 'constant',
-           'quantize_lora_down', 'stream_workspace', 'BoundRows', 'bind_quantize_rows', 'one_pass_smem',
-           'one_pass_cluster', 'quantize_rows_one_pass', 'counted_smem', 'counted_shares', 'quantize_rows_counted',
-           'compile_quant']
+           'ACTIVATION_FORMATS', 'MAX_STREAM_WORKSPACES', 'ACT_ONE_PASS_ENV', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS',
+           'COUNTED_ARGS', 'QUANT_MODES', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config',
+           'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport',
+           'compile_launchable', 'compile_on_fakes', 'example_problem', 'compile_kernel', 'kernel_cache_dir',
+           'cache_name', 'store_kernel', 'launchable', 'compiled_kernel', 'kept', 'derived', 'gemm_launcher',
+           'BoundGemm', 'gemm_bound', 'gemm_w4a4', 'compile_arguments', 'compile_command', 'sm_count', 'k_splits',
+           'quant_specs', 'constant', 'quantize_lora_down', 'stream_workspace', 'BoundRows', 'bind_quantize_rows',
+           'one_pass_smem', 'one_pass_cluster', 'quantize_rows_one_pass', 'counted_smem', 'counted_shares',
+           'quantize_rows_counted', 'BoundRowsCounted', 'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -697,8 +697,13 @@ class BoundRows:
 
 def bind_quantize_rows(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM) -> BoundRows:
     """`quantize_lora_down`'s checks, compiles and weight-side tensors for an int8-lane `fmt` (int4_pg, int8), made once
-    for `x`'s shape, dtype and device: a `BoundRows`, called with `x` alone."""
+    for `x`'s shape, dtype and device: a `BoundRows`, called with `x` alone (with `$W4A4_BOOK_ACT_ONE_PASS=counted`, an
+    experiment: a `BoundRowsCounted`)."""
+    if os.environ.get(ACT_ONE_PASS_ENV) == "counted":
+        return BoundRowsCounted(smooth, lora_down_t, fmt=fmt)
     return BoundRows(x, smooth, lora_down_t, fmt=fmt, stages=stages, ctas_per_sm=ctas_per_sm)
+
+ACT_ONE_PASS_ENV = "W4A4_BOOK_ACT_ONE_PASS"   # "counted": the layer's activation side in the counted one pass (an experiment)
 
 SMEM_PER_BLOCK = 232448     # bytes of shared memory one CTA may opt into on sm_90 (227 KiB)
 
@@ -791,6 +796,15 @@ def quantize_rows_counted(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", sh
     _launch_quant(key, lambda: QuantLoraDownCounted(R, K // G // c, smooth is not None, c, mode=fmt),
                   [x, w["sm"], w["ldt"], codes.view(torch.int32), base, lora_act, rowmax, partial, _counters(dev, M)], COUNTED_ARGS)
     return codes, base, (lora_act if R else None)
+
+class BoundRowsCounted:
+    """An experiment: `BoundRows`'s call on the counted one pass (`quantize_rows_counted`, checked on every call), so
+    that `ops.BoundLinear` can time the layer with it; `workspace` is accepted and ignored (new tensors each call)."""
+    def __init__(self, smooth=None, lora_down_t=None, *, fmt="int4_pg"):
+        self.smooth, self.ldt, self.fmt = smooth, lora_down_t, fmt
+
+    def __call__(self, x, workspace: bool = False) -> tuple:
+        return quantize_rows_counted(x, self.smooth, self.ldt, fmt=self.fmt)
 
 QUANT_MODES = ("int4", "pg_rowmax", "int4_pg", "int8", "one_pass_int4_pg", "one_pass_int8", "counted_int4_pg", "counted_int8")
 # `compile_quant`: QuantLoraDown's two-pass modes, RowCodes's two formats, QuantLoraDown's one-pass formats, and those
