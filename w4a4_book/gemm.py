@@ -696,8 +696,75 @@ class BoundRows:
 
 def bind_quantize_rows(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM) -> BoundRows:
     """`quantize_lora_down`'s checks, compiles and weight-side tensors for an int8-lane `fmt` (int4_pg, int8), made once
-    for `x`'s shape, dtype and device: a `BoundRows`, called with `x` alone."""
+    for `x`'s shape, dtype and device: a `BoundRows`, called with `x` alone (with `$W4A4_BOOK_ACT_FOLLOW` set, an
+    experiment: a `BoundRowsFollow`)."""
+    if os.environ.get(ACT_FOLLOW_ENV):
+        return BoundRowsFollow(x, smooth, lora_down_t, fmt=fmt)
     return BoundRows(x, smooth, lora_down_t, fmt=fmt, stages=stages, ctas_per_sm=ctas_per_sm)
+
+ACT_FOLLOW_ENV = "W4A4_BOOK_ACT_FOLLOW"   # set: the layer's activation side in the two passes at once (an experiment)
+FOLLOW_STAGES = 4             # the persistent first pass's ring
+FOLLOW_CTAS_PER_SM = 2        # its CTAs per SM (the second pass's CTAs run beside them)
+FOLLOW_L2_BYTES = 16 << 20    # x the first pass's items in flight may span at once: the second pass reads it from L2
+
+def follow_shares(M: int, K: int, ctas: int, l2_bytes: int = FOLLOW_L2_BYTES, elt: int = 2) -> int:
+    """Shares of K per row tile for the two passes at once: the fewest that divide K/64, give every CTA an item and keep
+    the row tiles in flight (`ctas / shares` of them) within `l2_bytes` of x."""
+    blocks, tiles = K // 64, -(-M // 64)
+    want = max(-(-ctas // tiles), -(-ctas * 64 * K * elt // l2_bytes), 1)
+    return next((d for d in range(want, blocks + 1) if blocks % d == 0), blocks)
+
+_FOLLOW_COUNTERS: dict = {}   # (device, stream) → int32 [rows, 2], zero between calls (each call leaves it so)
+
+def _follow_counters(dev, M: int) -> torch.Tensor:
+    "This stream's zeroed counters, at least `M` rows (row 64 t: tile t's count in and count out), grown as needed."
+    key = (dev, torch.cuda.current_stream(dev).cuda_stream)
+    buf = _FOLLOW_COUNTERS.get(key)
+    if buf is None or buf.shape[0] < M:
+        with torch.inference_mode(False):
+            buf = _FOLLOW_COUNTERS[key] = torch.zeros(max(M, 2 * (0 if buf is None else buf.shape[0])), 2, dtype=torch.int32, device=dev)
+    return buf[:M]
+
+FOLLOW_A_ARGS = ("x", "recip_smooth", "lora_down_t", "rowmax", "lora", "base", "lora_act", "counters")
+FOLLOW_B_ARGS = ("x", "recip_smooth", "codes", "base", "counters")
+
+class BoundRowsFollow:
+    """An experiment: `BoundRows`'s call with the two passes at once (`sm90_follow`): a persistent first pass taking
+    the row tiles in order, the second launched behind it and waiting tile by tile. `workspace` is accepted and
+    ignored (new tensors each call)."""
+    def __init__(self, x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=FOLLOW_STAGES,
+                 ctas_per_sm=FOLLOW_CTAS_PER_SM, shares=None):
+        from w4a4_book.kernels.sm90_follow import QuantRowmaxFollow, RowCodesFollow
+        from w4a4_book.kernels.sm90_quant import G, MAX_RANK
+        if fmt not in ("int4_pg", "int8"): fail(ValueError, "fmt", f"{fmt!r}: the two passes write int4_pg or int8")
+        M, K, R = operands.check_quant_inputs(x, smooth, lora_down_t, group_size=G, max_rank=MAX_RANK)
+        dev, w = x.device, _weight_side(x, smooth, lora_down_t)
+        ctas = sm_count(dev.index) * ctas_per_sm
+        ks = shares if shares is not None else follow_shares(M, K, ctas)
+        if not isinstance(ks, int) or ks < 1 or (K // G) % ks:
+            fail(ValueError, "shares", f"{ks!r}: must divide K/64={K // G}")
+        self.sm, self.ldt, self.R, self.ks, self.fmt, self.dt = w["sm"], w["ldt"], R, ks, fmt, x.dtype
+        has_smooth = smooth is not None
+        t = self._tensors(x)
+        self.first = launchable(("follow first", fmt, K, R, x.dtype, has_smooth, stages, ks, ctas), dev, _quant_compiler(
+            lambda: QuantRowmaxFollow(fmt, R, stages, has_smooth, ks, ctas), FOLLOW_A_ARGS,
+            [x, self.sm, self.ldt, t[0], t[1], t[2], t[3], t[5]]))
+        self.second = launchable(("follow second", fmt, K, x.dtype, has_smooth, ks), dev, _quant_compiler(
+            lambda: RowCodesFollow(fmt, has_smooth, ks), FOLLOW_B_ARGS, [x, self.sm, t[4].view(torch.int32), t[2], t[5]]))
+
+    def _tensors(self, x) -> tuple:
+        "`(rowmax, partial, base, lora_act, codes, counters)` for this call."
+        (M, K), dev = x.shape, x.device
+        return (torch.empty(self.ks, M, dtype=torch.float32, device=dev),
+                torch.empty(self.ks, M, max(self.R, 16), dtype=torch.float32, device=dev),
+                torch.empty(M, dtype=torch.float32, device=dev), _lora_out(M, self.R, self.dt, dev),
+                torch.empty(M, K, dtype=torch.int8, device=dev), _follow_counters(dev, M))
+
+    def __call__(self, x, workspace: bool = False) -> tuple:
+        rowmax, partial, base, lora_act, codes, counters = self._tensors(x)
+        self.first(x, self.sm, self.ldt, rowmax, partial, base, lora_act, counters)
+        self.second(x, self.sm, codes.view(torch.int32), base, counters)
+        return codes, base, (lora_act if self.R else None)
 
 SMEM_PER_BLOCK = 232448     # bytes of shared memory one CTA may opt into on sm_90 (227 KiB)
 

@@ -1,0 +1,61 @@
+"""Time the int8-lane activation side (int4_pg and int8) at M = 256 and 4352 with its two passes at once
+(`gemm.BoundRowsFollow`: a persistent first pass taking the row tiles in order, the second waiting tile by tile) at
+`follow_shares` and other shares, against the two passes one after the other (`gemm.BoundRows`), as CUDA-graph
+replays with the copy bandwidth of the same run; check that both write the same codes and bases, and save a record.
+
+    python tools/follow.py --out nbs/data/activation_follow_h200.json
+"""
+import sys
+
+import record_cli
+
+OPTIONS = dict(rank=32, iters=50)
+
+SHAPES = tuple((M, K) for M in (4352, 256) for K in (3840, 10240, 15360))
+FORMATS = ("int4_pg", "int8")
+MORE_SHARES = {3840: (20,), 10240: (20, 40), 15360: (24, 60)}   # besides follow_shares's
+
+
+def main(argv=None):
+    "Measure, print and save the record."
+    a = record_cli.parse(__doc__, argv, **OPTIONS)
+    import torch
+    from w4a4_book import gemm
+    from w4a4_book.bench.layer import _activation_inputs, activation_bytes, copy_bandwidth
+    from w4a4_book.bench.timing import time_cuda
+    from w4a4_book.records import provenance, save_record
+    copy, rows, R, skipped = copy_bandwidth(), [], a.rank, {}
+    for (M, K), fmt in ((s, f) for s in SHAPES for f in FORMATS if s[0] == 4352 or f == "int4_pg"):
+        x, smooth, ldt = _activation_inputs(M, K, R)
+        two = gemm.BoundRows(x, smooth, ldt, fmt=fmt)
+        codes, base, lora_act = two(x)
+        sms = gemm.sm_count(torch.cuda.current_device())
+        ks2 = gemm.k_splits(-(-M // 64), K // 64, sms)
+        first = gemm.follow_shares(M, K, sms * gemm.FOLLOW_CTAS_PER_SM)
+        runs = [("two_pass", ks2, two)]
+        for ks in dict.fromkeys((first, *MORE_SHARES[K])):
+            if (K // 64) % ks == 0:
+                try:
+                    runs.append(("follow", ks, gemm.BoundRowsFollow(x, smooth, ldt, fmt=fmt, shares=ks)))
+                except Exception as e:
+                    skipped[f"{fmt} {M}x{K} follow {ks}"] = f"{type(e).__name__}: {e}"[:300]
+        nbytes = activation_bytes(M, K, R, fmt, ks2)          # the two passes' bytes, every pass counted, for both
+        for method, ks, call in runs:
+            name = f"{fmt} {M}x{K} {method} shares {ks}"
+            out = call(x)
+            same = bool(torch.equal(out[0], codes) and torch.equal(out[1], base))
+            lora_diff = 0.0 if lora_act is None else (out[2].float() - lora_act.float()).abs().max().item()
+            t = time_cuda(lambda: call(x), warmup=10, iters=a.iters, graph=True)
+            bw = nbytes / (t["median_ms"] * 1e-3)
+            rows.append(dict(method=method, fmt=fmt, M=M, K=K, R=R, k_splits=ks, bytes=nbytes, **t, timing="graph",
+                             bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy, same_codes=same, lora_act_max_diff=lora_diff,
+                             default=(method == "two_pass" or ks == first)))
+            print(f"{name}{' (default)' if ks == first and method == 'follow' else ''}: {t['median_ms'] * 1e3:.1f} us, "
+                  f"{bw / 1e12:.2f} TB/s = {bw / copy:.0%} of copy{'' if same else ', CODES DIFFER'}, lora diff {lora_diff:.1e}", flush=True)
+    command = record_cli.command("follow.py", a, **OPTIONS)
+    prov = provenance(command, [list(s) for s in SHAPES], kind="activation_follow", rank=R, formats=list(FORMATS), skipped=skipped)
+    print(f"saved {save_record(a.out, prov, rows)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
