@@ -41,9 +41,9 @@ def arrive_release_gpu(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def load_acquire_gpu(addr, *, loc=None, ip=None):
-    "The int32 at global `addr`, read anew on every call, an acquire at GPU scope (`ld.acquire.gpu`)."
-    return cutlass.Int32(_asm(T.i32(), "ld.acquire.gpu.global.s32 $0, [$1];", "=r,l", cutlass.Int64(addr), loc=loc, ip=ip))
+def load_relaxed_gpu(addr, *, loc=None, ip=None):
+    "The int32 at global `addr`, read anew on every call at GPU scope (`ld.relaxed.gpu`: from L2; no L1 invalidation)."
+    return cutlass.Int32(_asm(T.i32(), "ld.relaxed.gpu.global.s32 $0, [$1];", "=r,l", cutlass.Int64(addr), loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -245,17 +245,14 @@ class QuantRowmaxFollow(QuantLoraDown):
                     outs.lora[share, row0 + mm, r] = acc[i]
         if row0 + m_local < M and half == 0:
             outs.rowmax[share, row0 + m_local] = rowmax                     # the shuffle gave both halves the same max
-        fence_gpu()                                                         # this thread's stores, before the count
-        cute.arch.barrier()
+        cute.arch.barrier()                                                 # every thread's stores, before thread 0's release
         flag = st.flag.get_tensor(cute.make_layout((4,)))
         addr = addr_of(outs.counters, (row0, 0))
         if tidx == 0:
             flag[0] = add_acq_rel_gpu(addr, 1)
         cute.arch.barrier()
         if flag[0] == ks - 1:                                               # uniform per CTA: the tile's last share in
-            fence_gpu()
             self.finish_tile(outs, row0, M)
-            fence_gpu()
             cute.arch.barrier()
             if tidx == 0:
                 arrive_release_gpu(addr)                                    # k_splits + 1: bases and lora_act final
@@ -292,9 +289,9 @@ class QuantRowmaxFollow(QuantLoraDown):
 
 class RowCodesFollow(RowCodes):
     """The second pass behind `QuantRowmaxFollow`: code warps taken tile by tile (a tile's 64 rows × `per_row`
-    pieces), each waiting until its tile is final, then `RowCodes.codes`'s walk with the base the first pass wrote.
-    Each warp counts itself out on the tile's second counter; the tile's last out zeroes both."""
-    BACKOFF_NS = 256
+    pieces, 16 `per_row` CTAs), each CTA waiting until its tile is final (one thread polls), then `RowCodes.codes`'s
+    walk with the base the first pass wrote. Each CTA counts itself out on the tile's second counter; the last out zeroes both."""
+    BACKOFF_NS = 1000
 
     def __init__(self, fmt, has_smooth, k_splits):
         super().__init__(fmt, has_smooth, 0, k_splits)
@@ -323,19 +320,26 @@ class RowCodesFollow(RowCodes):
         row, piece = tile * 64 + i % 64, per_row - 1 - i // 64
         t0, t1 = piece * trips // per_row, (piece + 1) * trips // per_row
         gC = cute.zipped_divide(mCodes, (1, VEC // 4))              # ((1, 2), (M, K/VEC))
-        if row < M:                                                   # uniform per warp
-            xr = self.load_x(mX, row, (t1 - 1) * 32 * U + lane, vpr, 0)
-            addr = addr_of(mCounters, (tile * 64, 0))
-            seen = load_acquire_gpu(addr)
+        ctile = bidx * (self.threads // 32) // (64 * per_row)        # a CTA's warps are of one tile: 4 | 64 per_row
+        addr = addr_of(mCounters, (ctile * 64, 0))
+        if tidx == 0:                                                 # one poller a CTA, reading L2 (relaxed), then an acquire fence
+            seen = load_relaxed_gpu(addr)
             while seen < self.k_splits + 1:
                 nanosleep(self.BACKOFF_NS)
-                seen = load_acquire_gpu(addr)
+                seen = load_relaxed_gpu(addr)
+            fence_gpu()
+        cute.arch.barrier()
+        base = cutlass.Float32(0.0)
+        if row < M:
             base = load_f32_gpu(addr_of(mBase, (row,)))
-            if lane == 0:
-                done = addr_of(mCounters, (tile * 64, 1))
-                if add_acq_rel_gpu(done, 1) == cutlass.min(M - tile * 64, 64) * per_row - 1:   # the tile's last warp out
-                    store_relaxed_gpu(addr, 0)
-                    store_relaxed_gpu(done, 0)
+        cute.arch.barrier()                                           # every warp has read its base
+        if tidx == 0:
+            done = addr_of(mCounters, (ctile * 64, 1))
+            if add_acq_rel_gpu(done, 1) == 16 * per_row - 1:          # the tile's last CTA out
+                store_relaxed_gpu(addr, 0)
+                store_relaxed_gpu(done, 0)
+        if row < M:                                                   # uniform per warp
+            xr = self.load_x(mX, row, (t1 - 1) * 32 * U + lane, vpr, 0)
             for k in cutlass.range(t1 - t0, unroll=1):
                 col0 = (t1 - 1 - k) * 32 * U + lane
                 ahead = self.load_x(mX, row, col0 - 32 * U, vpr, t0 * 32 * U)
