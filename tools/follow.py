@@ -1,6 +1,6 @@
 """Time the int8-lane activation side (int4_pg and int8) at M = 4352 with its two passes at once
-(`gemm.BoundRowsFollow`: a persistent first pass taking the row tiles in order, the second waiting tile by tile) at
-`follow_shares` and other shares, against the two passes one after the other (`gemm.BoundRows`), as CUDA-graph
+(`gemm.BoundRowsFollow`: a persistent first pass taking the row tiles in order, the second waiting tile by tile) at several
+CTAs per SM, ring depths and shares (and its first pass alone, with a memset zeroing the counters it leaves final), against the two passes one after the other (`gemm.BoundRows`), as CUDA-graph
 replays with the copy bandwidth of the same run; check that both write the same codes and bases, and save a record.
 
     python tools/follow.py --out nbs/data/activation_follow_h200.json
@@ -13,7 +13,8 @@ OPTIONS = dict(rank=32, iters=50)
 
 SHAPES = tuple((M, K) for M in (4352,) for K in (3840, 10240, 15360))
 FORMATS = ("int4_pg",)
-MORE_SHARES = {3840: (6, 20), 10240: (8, 16, 20), 15360: (8, 16, 24)}   # besides follow_shares's
+CONFIGS = {K: ((2, 4, 8), (2, 4, 16), (4, 2, 8), (4, 2, 16), (4, 4, 16), (1, 8, 8)) for K in (10240, 15360)}   # (CTAs per SM, stages, shares)
+CONFIGS[3840] = ((2, 4, 6), (4, 2, 10), (4, 2, 6))
 
 
 def main(argv=None):
@@ -32,26 +33,29 @@ def main(argv=None):
         sms = gemm.sm_count(torch.cuda.current_device())
         ks2 = gemm.k_splits(-(-M // 64), K // 64, sms)
         first = gemm.follow_shares(M, K, sms * gemm.FOLLOW_CTAS_PER_SM)
-        runs = [("two_pass", ks2, two)]
-        for ks in dict.fromkeys((first, *MORE_SHARES[K])):
-            if (K // 64) % ks == 0:
-                try:
-                    runs.append(("follow", ks, gemm.BoundRowsFollow(x, smooth, ldt, fmt=fmt, shares=ks)))
-                except Exception as e:
-                    skipped[f"{fmt} {M}x{K} follow {ks}"] = f"{type(e).__name__}: {e}"[:300]
+        runs = [("two_pass", ks2, None, None, two)]
+        for cps, stages, ks in CONFIGS[K]:
+            try:
+                runs.append(("follow", ks, cps, stages, gemm.BoundRowsFollow(x, smooth, ldt, fmt=fmt, shares=ks, ctas_per_sm=cps, stages=stages)))
+            except Exception as e:
+                skipped[f"{fmt} {M}x{K} follow {cps} {stages} {ks}"] = f"{type(e).__name__}: {e}"[:300]
         nbytes = activation_bytes(M, K, R, fmt, ks2)          # the two passes' bytes, every pass counted, for both
-        for method, ks, call in runs:
-            name = f"{fmt} {M}x{K} {method} shares {ks}"
+        for method, ks, cps, stages, call in runs:
+            pieces = [("both", lambda: call(x))]
+            if method == "follow":      # the first pass alone: what the persistent schedule costs before the second runs beside it
+                t6 = call._tensors(x)
+                pieces.append(("first_only_and_memset", lambda: (call.first(x, call.sm, call.ldt, *t6[:4], t6[5]), t6[5].zero_())))
             out = call(x)
             same = bool(torch.equal(out[0], codes) and torch.equal(out[1], base))
             lora_diff = 0.0 if lora_act is None else (out[2].float() - lora_act.float()).abs().max().item()
-            t = time_cuda(lambda: call(x), warmup=10, iters=a.iters, graph=True)
-            bw = nbytes / (t["median_ms"] * 1e-3)
-            rows.append(dict(method=method, fmt=fmt, M=M, K=K, R=R, k_splits=ks, bytes=nbytes, **t, timing="graph",
-                             bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy, same_codes=same, lora_act_max_diff=lora_diff,
-                             default=(method == "two_pass" or ks == first)))
-            print(f"{name}{' (default)' if ks == first and method == 'follow' else ''}: {t['median_ms'] * 1e3:.1f} us, "
-                  f"{bw / 1e12:.2f} TB/s = {bw / copy:.0%} of copy{'' if same else ', CODES DIFFER'}, lora diff {lora_diff:.1e}", flush=True)
+            for piece, fn in pieces:
+                t = time_cuda(fn, warmup=10, iters=a.iters, graph=True)
+                bw = nbytes / (t["median_ms"] * 1e-3)
+                rows.append(dict(method=method, piece=piece, fmt=fmt, M=M, K=K, R=R, k_splits=ks, ctas_per_sm=cps, stages=stages,
+                                 bytes=nbytes, **t, timing="graph", bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy,
+                                 same_codes=same, lora_act_max_diff=lora_diff))
+                print(f"{fmt} {M}x{K} {method} {piece} shares {ks} ctas/SM {cps} stages {stages}: {t['median_ms'] * 1e3:.1f} us, "
+                      f"{bw / copy:.0%} of copy{'' if same else ', CODES DIFFER'}, lora diff {lora_diff:.1e}", flush=True)
     command = record_cli.command("follow.py", a, **OPTIONS)
     prov = provenance(command, [list(s) for s in SHAPES], kind="activation_follow", rank=R, formats=list(FORMATS), skipped=skipped)
     print(f"saved {save_record(a.out, prov, rows)}")
