@@ -703,8 +703,9 @@ def bind_quantize_rows(x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stage
     return BoundRows(x, smooth, lora_down_t, fmt=fmt, stages=stages, ctas_per_sm=ctas_per_sm)
 
 ACT_FOLLOW_ENV = "W4A4_BOOK_ACT_FOLLOW"   # set: the layer's activation side in the two passes at once (an experiment)
-FOLLOW_STAGES = 4             # the persistent first pass's ring
-FOLLOW_CTAS_PER_SM = 2        # its CTAs per SM (the second pass's CTAs run beside them)
+FOLLOW_STAGES = 2             # the persistent first pass's ring
+FOLLOW_ROUNDS = 2             # its items a CTA: the grid is the items over this, rounded up
+FOLLOW_CTAS_PER_SM = 4        # for `follow_shares`: the CTAs a grid of the first pass is sized for
 FOLLOW_L2_BYTES = 16 << 20    # x the first pass's items in flight may span at once: the second pass reads it from L2
 
 def follow_shares(M: int, K: int, ctas: int, l2_bytes: int = FOLLOW_L2_BYTES, elt: int = 2) -> int:
@@ -733,21 +734,21 @@ class BoundRowsFollow:
     the row tiles in order, the second launched behind it and waiting tile by tile. `workspace` is accepted and
     ignored (new tensors each call)."""
     def __init__(self, x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=FOLLOW_STAGES,
-                 ctas_per_sm=FOLLOW_CTAS_PER_SM, shares=None):
+                 rounds=FOLLOW_ROUNDS, shares=None):
         from w4a4_book.kernels.sm90_follow import QuantRowmaxFollow, RowCodesFollow
         from w4a4_book.kernels.sm90_quant import G, MAX_RANK
         if fmt not in ("int4_pg", "int8"): fail(ValueError, "fmt", f"{fmt!r}: the two passes write int4_pg or int8")
         M, K, R = operands.check_quant_inputs(x, smooth, lora_down_t, group_size=G, max_rank=MAX_RANK)
         dev, w = x.device, _weight_side(x, smooth, lora_down_t)
-        ctas = sm_count(dev.index) * ctas_per_sm
+        ctas = sm_count(dev.index) * FOLLOW_CTAS_PER_SM
         ks = shares if shares is not None else follow_shares(M, K, ctas)
         if not isinstance(ks, int) or ks < 1 or (K // G) % ks:
             fail(ValueError, "shares", f"{ks!r}: must divide K/64={K // G}")
         self.sm, self.ldt, self.R, self.ks, self.fmt, self.dt = w["sm"], w["ldt"], R, ks, fmt, x.dtype
         has_smooth = smooth is not None
         t = self._tensors(x)
-        self.first = launchable(("follow first", fmt, K, R, x.dtype, has_smooth, stages, ks, ctas), dev, _quant_compiler(
-            lambda: QuantRowmaxFollow(fmt, R, stages, has_smooth, ks, ctas), FOLLOW_A_ARGS,
+        self.first = launchable(("follow first", fmt, K, R, x.dtype, has_smooth, stages, ks, rounds), dev, _quant_compiler(
+            lambda: QuantRowmaxFollow(fmt, R, stages, has_smooth, ks, rounds), FOLLOW_A_ARGS,
             [x, self.sm, self.ldt, t[0], t[1], t[2], t[3], t[5]]))
         self.second = launchable(("follow second", fmt, K, x.dtype, has_smooth, ks), dev, _quant_compiler(
             lambda: RowCodesFollow(fmt, has_smooth, ks), FOLLOW_B_ARGS, [x, self.sm, t[4].view(torch.int32), t[2], t[5]]))

@@ -93,14 +93,14 @@ class FollowOutputs(NamedTuple):
 
 
 class QuantRowmaxFollow(QuantLoraDown):
-    """The first pass, persistent: CTA `b` of `ctas` takes items `b, b + ctas, ...`, item `i` share `i % k_splits` of row
-    tile `i // k_splits`, all of its K-blocks through one ring that runs on from item to item. Each item ends with its
+    """The first pass, persistent: CTA `b` of `ctas` (the items over `rounds`, rounded up) takes items `b, b + ctas, ...`,
+    item `i` share `i % k_splits` of row tile `i // k_splits`, all of its K-blocks through one ring that runs on from item to item. Each item ends with its
     row maxima and LoRA partial stored and counted on the tile's counter; the tile's last item in reads every share's
     (at GPU scope), writes the rows' bases and `lora_act`, and counts once more: `k_splits + 1` means final."""
 
-    def __init__(self, fmt, rank, stages, has_smooth, k_splits, ctas):
+    def __init__(self, fmt, rank, stages, has_smooth, k_splits, rounds):
         super().__init__(rank, stages, has_smooth, k_splits, mode="pg_rowmax")
-        self.pg, self.ctas = fmt == "int4_pg", ctas
+        self.pg, self.rounds = fmt == "int4_pg", rounds
 
     def smooth_staged(self, K: int) -> bool:
         return False                               # shares change from item to item: 1/smooth is read where it lies
@@ -133,8 +133,9 @@ class QuantRowmaxFollow(QuantLoraDown):
                                                 (1, 1, 1), tiler_mn=(BM, RL))
         self.storage = self.make_storage(dt, x_l, w_l, cute.size(mX, mode=[1]))
         self.tx = (BM + R) * G * dt.width // 8
+        items = (cute.size(mX, mode=[0]) + BM - 1) // BM * self.k_splits
         self.kernel(QuantLoads(tma_x, gX, tma_w, gW), mRecipSmooth, FollowOutputs(mRowmax, mLora, mBase, mLoraAct, mCounters),
-                    mma, x_l, w_l).launch(grid=(self.ctas, 1, 1), block=[self.threads, 1, 1], stream=stream)
+                    mma, x_l, w_l).launch(grid=((items + self.rounds - 1) // self.rounds, 1, 1), block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, loads, mRecipSmooth, outs, mma: cute.TiledMma, x_l, w_l):
@@ -176,7 +177,8 @@ class QuantRowmaxFollow(QuantLoraDown):
     def item_block(self, j, k_tiles):
         "The flat index `j` of this CTA's K-blocks as `(row tile, share, K-block)`."
         bid, _, _ = cute.arch.block_idx()
-        item = bid + (j // k_tiles) * self.ctas
+        ctas, _, _ = cute.arch.grid_dim()
+        item = bid + (j // k_tiles) * ctas
         share = item % self.k_splits
         return item // self.k_splits, share, share * k_tiles + j % k_tiles
 
@@ -195,7 +197,8 @@ class QuantRowmaxFollow(QuantLoraDown):
     def run_items(self, st, pipe, tma, rX, mRecipSmooth, outs, mma, frags, M, k_tiles):
         """This CTA's items, their K-blocks one flat stream through the ring: each K-block's LoRA step on wgmma while
         the CUDA cores take its row maxima; at an item's last K-block, `finish_item`."""
-        BM, R, S, P = self.tile_m, self.rank, self.stages, self.ctas
+        BM, R, S = self.tile_m, self.rank, self.stages
+        P, _, _ = cute.arch.grid_dim()
         tCrX, tCrW, tCcC, acc = frags
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
