@@ -15,7 +15,7 @@ SHAPES = tuple((M, K) for M in (4352,) for K in (3840, 10240, 15360))
 FORMATS = ("int4_pg",)
 CONFIGS = {3840: ((1, 2, 10), (2, 2, 20), (3, 2, 30), (2, 4, 20)),           # (rounds, stages, shares): the grid is the items over the rounds
            10240: ((1, 2, 8), (2, 2, 16), (4, 2, 32), (5, 2, 40), (2, 4, 16)),
-           15360: ((1, 2, 8), (2, 2, 16), (3, 2, 24), (5, 2, 40), (2, 4, 16), (4, 2, 32))}
+           15360: ((1, 2, 8), (2, 2, 16), (3, 2, 24), (5, 2, 40), (2, 4, 16), (4, 2, 30))}
 
 
 def main(argv=None):
@@ -39,7 +39,7 @@ def main(argv=None):
             try:
                 runs.append(("follow", ks, rounds, stages, gemm.BoundRowsFollow(x, smooth, ldt, fmt=fmt, shares=ks, rounds=rounds, stages=stages)))
             except Exception as e:
-                skipped[f"{fmt} {M}x{K} follow {cps} {stages} {ks}"] = f"{type(e).__name__}: {e}"[:300]
+                skipped[f"{fmt} {M}x{K} follow {rounds} {stages} {ks}"] = f"{type(e).__name__}: {e}"[:300]
         nbytes = activation_bytes(M, K, R, fmt, ks2)          # the two passes' bytes, every pass counted, for both
         for method, ks, rounds, stages, call in runs:
             pieces = [("both", lambda: call(x))]
