@@ -84,10 +84,14 @@ def test_exact_against_quantize(M, K, R, dt, smooth):
 
 
 def test_k_splits_fill_the_gpu():
-    "Enough shares of K for `ctas_per_sm` CTAs per SM (default four), each share a whole number of K-blocks; one share when rows suffice."
+    """Enough shares of K for `ctas_per_sm` CTAs per SM (default four), each share a whole number of K-blocks, and no
+    fewer than four K-blocks a share while one CTA an SM remains; one share when rows suffice."""
     assert gemm.k_splits(68, 60, 132, 2) == 4     # M=4352, two CTAs per SM: 272 CTAs
     assert gemm.k_splits(68, 60, 132) == 10       # the default, four per SM: 680 CTAs
-    assert gemm.k_splits(4, 240, 132, 2) == 80    # M=256, K=15360: 66 wanted, 80 is the next divisor
+    assert gemm.k_splits(4, 240, 132, 2) == 60    # M=256, K=15360: 66 wanted, but shares of at least 4 K-blocks: 60
+    assert gemm.k_splits(4, 160, 132) == 40       # M=256, K=10240: 132 wanted, 40 shares of 4 K-blocks (160 CTAs)
+    assert gemm.k_splits(4, 60, 132) == 60        # M=256, K=3840: 15 shares would leave SMs idle; 33 wanted, 60 divides
+    assert gemm.k_splits(16, 60, 132) == 15       # M=1024, K=3840: 33 wanted, 15 shares of 4 K-blocks (240 CTAs)
     assert gemm.k_splits(1, 2, 132, 2) == 2       # K shorter than wanted: every K-block its own CTA
     assert gemm.k_splits(300, 60, 132, 2) == 1
     assert gemm.k_splits(300, 60, 132) == 2       # 300 row tiles, four CTAs per SM wanted: 2 shares
@@ -179,7 +183,7 @@ def test_activation_formats_are_checked():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int4", "int4_pg", "int8"])
 def test_one_compiled_kernel_per_pass_serves_every_m(fmt):
-    "The activation kernels read M at run time: M = 1, 17, 256 and 4352 share one compilation per pass, each exact."
+    "The activation kernels read M at run time: M = 1, 17, 256 and 1024 share one compilation per pass, each exact."
     K, R, dev = 512, 32, torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device="cuda").manual_seed(7)
     lam = (torch.rand(K, device="cuda", generator=g) + 0.5).bfloat16()
@@ -188,7 +192,7 @@ def test_one_compiled_kernel_per_pass_serves_every_m(fmt):
     mine = lambda: [k for k in gemm._compiled if k[0][1:] == sig and k[1] == dev.index]
     for key in mine():                                                               # compiled afresh here, whatever ran before
         del gemm._compiled[key]
-    for M in (1, 17, 256, 4352):
+    for M in (1, 17, 256, 1024):
         assert gemm.k_splits(-(-M // 64), K // G, gemm.sm_count(dev.index)) == K // G   # one share count for all four
         x = (torch.randn(M, K, device="cuda", generator=g) * 3).bfloat16()
         act, lora_act = gemm.quantize_lora_down(x, lam, ldt, fmt=fmt)

@@ -27,12 +27,12 @@ from .operands import Problem, fail
 
 # %% auto #0
 __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'SCALE_DTYPE',
-           'KERNEL_CACHE_ENV', 'CACHE_STATS', 'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ROW_CODES_ARGS',
-           'ACTIVATION_FORMATS', 'MAX_STREAM_WORKSPACES', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS', 'QUANT_MODES',
-           'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields', 'bind',
-           'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable', 'compile_on_fakes',
-           'example_problem', 'compile_kernel', 'kernel_cache_dir', 'cache_name', 'store_kernel', 'launchable',
-           'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4',
+           'KERNEL_CACHE_ENV', 'CACHE_STATS', 'ACT_CTAS_PER_SM', 'ACT_STAGES', 'ACT_SHARE_BLOCKS', 'QUANT_ARGS',
+           'ROW_CODES_ARGS', 'ACTIVATION_FORMATS', 'MAX_STREAM_WORKSPACES', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS',
+           'QUANT_MODES', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields',
+           'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable',
+           'compile_on_fakes', 'example_problem', 'compile_kernel', 'kernel_cache_dir', 'cache_name', 'store_kernel',
+           'launchable', 'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4',
            'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quant_specs', 'constant',
            'quantize_lora_down', 'stream_workspace', 'BoundRows', 'bind_quantize_rows', 'one_pass_smem',
            'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
@@ -521,11 +521,17 @@ def sm_count(device_index) -> int:
 
 ACT_CTAS_PER_SM = 4      # the activation kernel's grid: at least this many CTAs per SM (`k_splits`; measured, chapter 8a)
 ACT_STAGES = 2           # its ring depth: two stages let the most CTAs share an SM (measured, chapter 8a)
+ACT_SHARE_BLOCKS = 4     # ... but shares of at least this many K-blocks, while one CTA an SM remains (measured at small M, chapter 8a)
 
-def k_splits(m_tiles: int, k_blocks: int, num_sms: int, ctas_per_sm: int = ACT_CTAS_PER_SM) -> int:
-    "Shares of K per row tile: the fewest that divide `k_blocks` and give at least `ctas_per_sm` CTAs per SM (or all of K)."
+def k_splits(m_tiles: int, k_blocks: int, num_sms: int, ctas_per_sm: int = ACT_CTAS_PER_SM, share_blocks: int = ACT_SHARE_BLOCKS) -> int:
+    """Shares of K per row tile: the fewest that divide `k_blocks` and give at least `ctas_per_sm` CTAs per SM (or all
+    of K), but no more than leave `share_blocks` K-blocks a share, unless that gives fewer than one CTA an SM.
+    NOTES: each share writes an fp32 LoRA partial a row, `R` values, so one-block shares at small M move as many bytes
+    of partials as of x."""
     if not isinstance(ctas_per_sm, int) or ctas_per_sm < 1: fail(ValueError, "ctas_per_sm", f"must be an int >= 1, got {ctas_per_sm!r}")
     want = -(-ctas_per_sm * num_sms // m_tiles)
+    if not isinstance(share_blocks, int) or share_blocks < 1: fail(ValueError, "share_blocks", f"must be an int >= 1, got {share_blocks!r}")
+    want = min(want, max(-(-num_sms // m_tiles), k_blocks // share_blocks))
     return next((d for d in range(want, k_blocks + 1) if k_blocks % d == 0), k_blocks) if want > 1 else 1
 
 # %% ../nbs/05a_gemm.ipynb #67ac19dc
