@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['G', 'INT4_MIN', 'INT4_MAX', 'MAX_RANK', 'PG_U_MIN', 'PG_U_MAX', 'INT8_MAX', 'FLOAT32_MAX', 'VEC', 'ROUNDER',
            'copy_16b', 'div_rn', 'mul_rn', 'recip_or_zero', 'f32_bits', 'pack4_bytes', 'round_even_i32', 'smooth_amax',
-           'QuantLoads', 'QuantOutputs', 'QuantLoraDown', 'row_base', 'group_scale', 'pack_int8', 'RowCodes',
-           'st_cluster_f32', 'cluster_sync']
+           'max_tree', 'QuantLoads', 'QuantOutputs', 'QuantLoraDown', 'row_base', 'group_scale', 'pack_int8',
+           'RowCodes', 'st_cluster_f32', 'cluster_sync']
 
 # %% ../../nbs/08a_quant.ipynb #4256630b
 from typing import NamedTuple
@@ -86,14 +86,21 @@ def smooth_amax(xv, sv, xs, has_smooth: cutlass.Constexpr):
     """`xs[j] = xv[j] · sv[j]` in float32, each product correctly rounded (`xv[j]` alone without smoothing), for the
     values of `xv` (16-bit) and `sv` (`1/smooth`, float32), flat views in one order; returns their max |·|. The rule
     both passes share, as `quantize(x / smooth)` smooths."""
-    a = cutlass.Float32(0.0)
+    mags = []
     for j in cutlass.range_constexpr(cute.size(xs)):
         v = xv[j].to(cutlass.Float32)
         if cutlass.const_expr(has_smooth):
             v = mul_rn(v, sv[j])
         xs[j] = v
-        a = cute.arch.fmax(a, cute.arch.fmax(v, -v))
-    return a
+        mags.append(cute.arch.fmax(v, -v))
+    return cute.arch.fmax(cutlass.Float32(0.0), max_tree(mags))   # from 0, as a chain would: NaNs ignored, 0 if all are
+
+def max_tree(vals: list):
+    """The max of traced `vals` as a tree: log2(n) dependent max instructions where a chain has n (max is exact in any
+    order). Plain Python, run while tracing: an `@cute.jit` function would make its loop a loop of the kernel."""
+    while len(vals) > 1:
+        vals = [cute.arch.fmax(vals[i], vals[i + 1]) if i + 1 < len(vals) else vals[i] for i in range(0, len(vals), 2)]
+    return vals[0]
 
 # %% ../../nbs/08a_quant.ipynb #ce3b01d4
 @parts.kernel_bundle
