@@ -132,6 +132,29 @@ def test_int8_lanes_exact_against_quantize(fmt, M, K, R, dt, smooth):
     check_int8_lanes(act.data, act.base, lora_act, x, lam, down, fmt)
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4_pg", "int8"])
+@pytest.mark.parametrize("M, K, R, dt, smooth", CASES)
+@pytest.mark.parametrize("stages, warpgroups", [(2, 2), (4, 2), (4, 4)])
+def test_int8_lanes_exact_with_warpgroups(fmt, M, K, R, dt, smooth, stages, warpgroups):
+    "The first pass with several warpgroups a CTA, each on every `warpgroups`-th K-block: the same bit-exact result."
+    x, lam, down = int8_lane_case(M, K, R, dt, smooth, 1)
+    bound = gemm.BoundRows(x, lam, down.T.contiguous() if R else None, fmt=fmt, stages=stages, warpgroups=warpgroups)
+    codes, base, lora_act = bound(x)
+    check_int8_lanes(codes, base, lora_act, x, lam, down, fmt)
+
+
+def test_first_pass_warpgroups_compile_and_bad_ones_are_refused():
+    "Two streaming warpgroups: the same wgmma and loads a thread, the row maxima combined in shared memory; the rest refused."
+    ptx, smem = gemm.compile_quant(M=300, K=1024, R=32, mode="pg_rowmax", stream_wgs=2)
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 4 and len(re.findall(r"ld\.shared\.v4", ptx)) == 12
+    base = gemm.compile_quant(M=300, K=1024, R=32, mode="pg_rowmax")[1]
+    assert smem - base == 1024            # the warpgroups' 64 × 2 fp32 row maxima, the storage padded to its 1024-byte alignment
+    for kw in (dict(stages=3, stream_wgs=2), dict(stages=4, stream_wgs=2, mode="int4"), dict(stages=4, stream_wgs=0, mode="pg_rowmax")):
+        with pytest.raises(ValueError, match="stream_wgs="):
+            QuantLoraDown(32, **{"mode": "pg_rowmax", **kw})
+
 @pytest.mark.parametrize("mode", ["pg_rowmax", "int4_pg", "int8"])
 def test_int8_lane_passes_compile_with_exact_arithmetic(mode):
     "The first pass (QuantLoraDown, pg_rowmax) and the second (RowCodes, per format): exact rounding, 16-byte loads."

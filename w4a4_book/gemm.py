@@ -27,12 +27,12 @@ from .operands import Problem, fail
 
 # %% auto #0
 __all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'SCALE_DTYPE',
-           'KERNEL_CACHE_ENV', 'CACHE_STATS', 'ACT_CTAS_PER_SM', 'ACT_STAGES', 'QUANT_ARGS', 'ROW_CODES_ARGS',
-           'ACTIVATION_FORMATS', 'MAX_STREAM_WORKSPACES', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS', 'QUANT_MODES',
-           'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields', 'bind',
-           'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable', 'compile_on_fakes',
-           'example_problem', 'compile_kernel', 'kernel_cache_dir', 'cache_name', 'store_kernel', 'launchable',
-           'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4',
+           'KERNEL_CACHE_ENV', 'CACHE_STATS', 'ACT_CTAS_PER_SM', 'ACT_STAGES', 'ACT_WARPGROUPS', 'QUANT_ARGS',
+           'ROW_CODES_ARGS', 'ACTIVATION_FORMATS', 'MAX_STREAM_WORKSPACES', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS',
+           'QUANT_MODES', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields',
+           'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable',
+           'compile_on_fakes', 'example_problem', 'compile_kernel', 'kernel_cache_dir', 'cache_name', 'store_kernel',
+           'launchable', 'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4',
            'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quant_specs', 'constant',
            'quantize_lora_down', 'stream_workspace', 'BoundRows', 'bind_quantize_rows', 'one_pass_smem',
            'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
@@ -521,6 +521,7 @@ def sm_count(device_index) -> int:
 
 ACT_CTAS_PER_SM = 4      # the activation kernel's grid: at least this many CTAs per SM (`k_splits`; measured, chapter 8a)
 ACT_STAGES = 2           # its ring depth: two stages let the most CTAs share an SM (measured, chapter 8a)
+ACT_WARPGROUPS = 1       # the int8-lane first pass's warpgroups a CTA, each on every ACT_WARPGROUPS-th K-block of its share
 
 def k_splits(m_tiles: int, k_blocks: int, num_sms: int, ctas_per_sm: int = ACT_CTAS_PER_SM) -> int:
     "Shares of K per row tile: the fewest that divide `k_blocks` and give at least `ctas_per_sm` CTAs per SM (or all of K)."
@@ -642,8 +643,10 @@ class BoundRows:
     __slots__ = ("first", "second", "sm", "ldt", "R", "buffers", "offsets", "stand_in", "views")
     ALIGN = 256                 # bytes: each buffer of the workspace starts at a multiple (16-byte loads, TMA)
 
-    def __init__(self, x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM):
+    def __init__(self, x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM,
+                 warpgroups=None):
         from w4a4_book.kernels.sm90_quant import QuantLoraDown, RowCodes
+        wgs = ACT_WARPGROUPS if warpgroups is None else warpgroups
         if fmt == "int4":
             fail(ValueError, "fmt", "'int4': BoundRows binds the int8-lane formats (int4_pg, int8); int4 is one kernel, call quantize_lora_down")
         launch = _quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm)
@@ -659,8 +662,8 @@ class BoundRows:
         rowmax, partial, base, lora_act, codes = self._named(meta)
         first = [x, self.sm, self.ldt, codes.view(torch.int32), rowmax, partial]
         second = [x, self.sm, rowmax, codes.view(torch.int32), base, partial, lora_act]
-        self.first = launchable(("rowmax", *sig), dev, _quant_compiler(
-            lambda: QuantLoraDown(self.R, stages, has_smooth, ks, mode="pg_rowmax"), QUANT_ARGS, first))
+        self.first = launchable(("rowmax", *sig, wgs), dev, _quant_compiler(
+            lambda: QuantLoraDown(self.R, stages, has_smooth, ks, mode="pg_rowmax", stream_wgs=wgs), QUANT_ARGS, first))
         self.second = launchable((fmt, *sig), dev, _quant_compiler(
             lambda: RowCodes(fmt, has_smooth, self.R, ks), ROW_CODES_ARGS, second))
 
@@ -747,12 +750,12 @@ ONE_PASS_ARGS = ("x", "recip_smooth", "lora_down_t", "codes", "base", "lora_act"
 QUANT_MODES = ("int4", "pg_rowmax", "int4_pg", "int8", "one_pass_int4_pg", "one_pass_int8")
 # `compile_quant`: QuantLoraDown's two-pass modes, RowCodes's two formats, QuantLoraDown's one-pass formats
 
-def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mode="int4"):
+def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mode="int4", stream_wgs=1):
     """PTX and shared-memory bytes of one activation kernel compiled for sm_90a on fake tensors (no GPU needed), M a
     run-time value as on the GPU:
     `QuantLoraDown` in `mode` "int4" or "pg_rowmax", the second pass `RowCodes` of format "int4_pg" or "int8", or the
-    one-pass kernel of "one_pass_int4_pg" or "one_pass_int8" (a cluster of `k_splits` CTAs). Returns `(ptx, shared
-    memory bytes)`, 0 bytes for `RowCodes`."""
+    one-pass kernel of "one_pass_int4_pg" or "one_pass_int8" (a cluster of `k_splits` CTAs); "pg_rowmax" with
+    `stream_wgs` warpgroups a CTA. Returns `(ptx, shared memory bytes)`, 0 bytes for `RowCodes`."""
     import cutlass
     from w4a4_book.kernels.sm90_parts import ArgSpec
     from w4a4_book.kernels.sm90_quant import QuantLoraDown, RowCodes, G
@@ -772,7 +775,7 @@ def compile_quant(M=4352, K=3840, R=128, dtype=None, smooth=True, k_splits=4, mo
         specs = [x, rs, ldt, codes, ArgSpec("base", cutlass.Float32, (M,)), ArgSpec("lora_act", dt, (M, RL) if R else (1, 16), (1, 0))]
     else:
         aux = ArgSpec("scales", dt, (K // G, M), (1, 0)) if mode == "int4" else ArgSpec("rowmax", cutlass.Float32, (k_splits, M), (1, 0))
-        k = QuantLoraDown(R, 4, smooth, k_splits, mode=mode)
+        k = QuantLoraDown(R, 4, smooth, k_splits, mode=mode, stream_wgs=stream_wgs)
         specs = [x, rs, ldt, codes, aux, lora]
     ptx, _ = compile_on_fakes(k, [s._replace(m_mode=m) for s, m in zip(specs, k.m_modes())], dynamic_m=True)
     return ptx, k.storage.size_in_bytes()

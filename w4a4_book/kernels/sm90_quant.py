@@ -126,12 +126,16 @@ class QuantLoraDown:
     HOLD_THREADS = 1024     # one pass: warpgroup w of a CTA takes K-blocks w, w + wgs, ... of its share (`hold_warpgroups`)
     SMOOTH_BLOCKS = 64      # two passes: a share of at most this many K-blocks keeps its 1/smooth in shared memory (16 KB)
 
-    def __init__(self, rank, stages=4, has_smooth=True, k_splits=1, mode="int4"):
+    def __init__(self, rank, stages=4, has_smooth=True, k_splits=1, mode="int4", stream_wgs=1):
         if mode not in self.MODES: raise ValueError(f"mode={mode!r}: must be one of {self.MODES}")
         self.rank, self.stages, self.has_smooth, self.k_splits, self.mode = rank, stages, has_smooth, k_splits, mode
         self.w_stages = stages if rank else 1      # rank 0: one idle 16-row stage keeps the code uniform
         self.one_pass = mode in ("int4_pg", "int8")
-        self.wgs = self.hold_warpgroups(rank) if self.one_pass else 1
+        if stream_wgs != 1 and (mode != "pg_rowmax" or stream_wgs < 1 or stages % stream_wgs):
+            raise ValueError(f"stream_wgs={stream_wgs}, stages={stages}: the first pass (pg_rowmax) alone streams with "
+                             f"several warpgroups, each taking every stream_wgs-th stage")
+        # two passes: warpgroup w takes K-blocks w, w + wgs, ... of the share (`stream_share`); one pass: `hold_warpgroups`
+        self.wgs = self.hold_warpgroups(rank) if self.one_pass else stream_wgs
         self.threads = 128 * self.wgs
         if self.one_pass and not (1 <= k_splits <= self.MAX_CLUSTER and stages >= 2):
             raise ValueError(f"k_splits={k_splits}, stages={stages}: one pass holds a cluster of at most "
@@ -159,6 +163,8 @@ class QuantLoraDown:
         fields = dict(full=cute.struct.MemRange[cutlass.Int64, S], empty=cute.struct.MemRange[cutlass.Int64, S],
                       x=cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(x_l)], 1024],
                       w=cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(w_l)], 1024])
+        if self.wgs > 1 and not self.one_pass:                     # the warpgroups' row maxima, combined (`combine`)
+            fields["red"] = cute.struct.MemRange[cutlass.Float32, self.tile_m * self.wgs]
         if self.one_pass:
             BM, ks, f32 = self.tile_m, self.k_splits, cutlass.Float32
             fields.update(red=cute.struct.MemRange[f32, BM * self.wgs], red_all=cute.struct.MemRange[f32, BM * ks],
@@ -230,8 +236,8 @@ class QuantLoraDown:
         st = cutlass.utils.SmemAllocator().allocate(self.storage)
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.full.data_ptr(), num_stages=S, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
-            tx_count=self.tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (self.threads if self.one_pass else 128) // 32),
+            tx_count=self.tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)   # streaming: one warpgroup a stage
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sX = st.x.get_tensor(x_l.outer, swizzle=x_l.inner)          # (BM, G, S)
         # the same bytes without the swizzle, for the CUDA cores: 128-byte rows, 16-byte chunks at chunk ^ (row % 8)
@@ -270,7 +276,7 @@ class QuantLoraDown:
         if cutlass.const_expr(self.one_pass):
             self.hold_share(st, pipe, rX, smooth, outs, mma, frags, k0, k_tiles)
         else:
-            self.stream_share(loads, (tXgX, tXsX, tWgW, tWsW), pipe, prod, rX, (smooth, sk0), outs, mma, frags, k0, k_tiles)
+            self.stream_share(st, loads, (tXgX, tXsX, tWgW, tWsW), pipe, prod, rX, (smooth, sk0), outs, mma, frags, k0, k_tiles)
 
     @cute.jit
     def stage_smooth(self, mRecipSmooth, sSm, k0):
@@ -291,11 +297,13 @@ class QuantLoraDown:
 
 @patch
 @cute.jit
-def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, smooth, outs, mma, frags, k0, k_tiles):
+def stream_share(self: QuantLoraDown, st, loads, tma_parts, pipe, prod, rX, smooth, outs, mma, frags, k0, k_tiles):
     """Two passes: the share streams through the ring, each K-block's LoRA step on wgmma while the CUDA cores take its
-    codes (int4) or row maxima (pg_rowmax), warp 0 refilling the stage; then the fp32 partial (and the maxima) out.
-    `smooth`: `(1/smooth, index of the share's first K-block in it)`, in shared memory where `smooth_staged`."""
-    BM, R, S = self.tile_m, self.rank, self.stages
+    codes (int4) or row maxima (pg_rowmax), warp 0 refilling the stages; then the fp32 partial (and the maxima) out.
+    With `wgs` warpgroups (pg_rowmax), warpgroup w takes K-blocks w, w + wgs, ..., each its own accumulators, summed in
+    warpgroup order at the end (`combine`): more warps an SM at the same shares. `smooth`: `(1/smooth, index of the
+    share's first K-block in it)`, in shared memory where `smooth_staged`."""
+    BM, R, S, W = self.tile_m, self.rank, self.stages, self.wgs
     tma_x, _, tma_w, _ = loads
     tXgX, tXsX, tWgW, tWsW = tma_parts
     tCrX, tCrW, tCcC, acc = frags
@@ -305,11 +313,12 @@ def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, smooth, 
     bidx, kz, _ = cute.arch.block_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     M = cute.size(mCodes, mode=[0])
-    cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
-    m_local, half = tidx // 2, tidx % 2                           # this thread: row m_local, values 32·half ...
+    wg = warp // 4
+    cons = pipeline.PipelineState(S, wg, wg, cutlass.Int32(0))    # warpgroup wg's first K-block: stage wg's first fill
+    m_local, half = (tidx % 128) // 2, tidx % 2                   # this thread: row m_local, values 32·half ...
     m = bidx * BM + m_local
     rowmax = cutlass.Float32(0.0)
-    for kl in cutlass.range(k_tiles, unroll=1):
+    for kl in cutlass.range(wg, k_tiles, W, unroll=1):
         kt = k0 + kl
         pipe.consumer_wait(cons)
         if cutlass.const_expr(R > 0):
@@ -326,20 +335,46 @@ def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, smooth, 
         if cutlass.const_expr(R > 0):
             cute.nvgpu.warpgroup.wait_group(0)
         pipe.consumer_release(cons)
-        cons.advance()
-        if warp == 0 and prod.count < k_tiles:
-            pipe.producer_acquire(prod)
-            bar = pipe.producer_get_barrier(prod)
-            self.load(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0)
-            prod.advance()
-    if cutlass.const_expr(R > 0):
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            mm, r = tCcC[i]
-            if bidx * BM + mm < M:
-                mLora[kz, bidx * BM + mm, r] = acc[i]
-    if cutlass.const_expr(self.mode == "pg_rowmax"):
-        if m < M and half == 0:
-            mAux[kz, m] = rowmax                                # the shuffle gave both halves the same max
+        for _ in cutlass.range_constexpr(W):                      # past the other warpgroups' K-blocks
+            cons.advance()
+        if warp == 0:
+            for _ in cutlass.range_constexpr(W):                  # warp 0 refills every warpgroup's stage
+                if prod.count < k_tiles:
+                    pipe.producer_acquire(prod)
+                    bar = pipe.producer_get_barrier(prod)
+                    self.load(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0)
+                    prod.advance()
+    if cutlass.const_expr(W == 1):
+        if cutlass.const_expr(R > 0):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                mm, r = tCcC[i]
+                if bidx * BM + mm < M:
+                    mLora[kz, bidx * BM + mm, r] = acc[i]
+        if cutlass.const_expr(self.mode == "pg_rowmax"):
+            if m < M and half == 0:
+                mAux[kz, m] = rowmax                            # the shuffle gave both halves the same max
+    if cutlass.const_expr(W > 1):
+        self.store_combined(st, acc, tCcC, rowmax, m_local, half, mAux, mLora)
+
+@patch
+@cute.jit
+def store_combined(self: QuantLoraDown, st, acc, tCcC, rowmax, m_local, half, mAux, mLora):
+    "Several streaming warpgroups: their LoRA partials summed and row maxima taken in shared memory (`combine`), then out."
+    BM, R, W = self.tile_m, self.rank, self.wgs
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, kz, _ = cute.arch.block_idx()
+    M, row0 = cute.size(mAux, mode=[1]), bidx * BM
+    part = self.combine(st, acc, tCcC, rowmax, m_local, half)    # (BM, R) fp32, over the ring's bytes
+    red = st.red.get_tensor(cute.make_layout((BM, W)))
+    for i in cutlass.range(tidx, BM * R, self.threads, unroll=1):
+        if row0 + i // R < M:
+            mLora[kz, row0 + i // R, i % R] = part[i // R, i % R]
+    for i in cutlass.range(tidx, BM, self.threads, unroll=1):
+        if row0 + i < M:
+            mx = red[i, 0]
+            for w in cutlass.range_constexpr(1, W):
+                mx = cute.arch.fmax(mx, red[i, w])
+            mAux[kz, row0 + i] = mx
 
 @patch
 @cute.jit
@@ -682,6 +717,27 @@ def finish_in_cluster(self: QuantLoraDown, st, rX, sSm, outs, acc, tCcC, rowmax,
 
 @patch
 @cute.jit
+def combine(self: QuantLoraDown, st, acc, tCcC, rowmax, m_local, half):
+    """After the K-loop, with `wgs` warpgroups: each warpgroup's row maxima into `red` (row, warpgroup), and its LoRA
+    partial added in warpgroup order into the ring's bytes (every wgmma was waited on, every stage consumed); returns
+    that sum, `(BM, R)` fp32 in shared memory."""
+    BM, R = self.tile_m, self.rank
+    wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
+    red = st.red.get_tensor(cute.make_layout((BM, self.wgs)))
+    part = cute.make_tensor(cute.recast_ptr(st.w.data_ptr(), dtype=cutlass.Float32), cute.make_layout((BM, max(R, 16)), stride=(max(R, 16), 1)))
+    if half == 0:
+        red[m_local, wg] = rowmax                                       # the shuffle gave both halves the same max
+    cute.arch.barrier()                                                 # every warpgroup's wgmmas are done with the ring
+    for w in cutlass.range_constexpr(self.wgs if R > 0 else 0):
+        if wg == w:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                mm, r = tCcC[i]
+                part[mm, r] = acc[i] if w == 0 else part[mm, r] + acc[i]
+        cute.arch.barrier()
+    return part
+
+@patch
+@cute.jit
 def push_to_cluster(self: QuantLoraDown, st, acc, tCcC, rowmax, m_local, half):
     """Each warpgroup's row maxima, then its LoRA partial added in warpgroup order (into the ring's bytes: every
     wgmma was waited on), are combined in shared memory; then CTA `kz` stores its 64 row maxima into slot `kz` of
@@ -690,18 +746,8 @@ def push_to_cluster(self: QuantLoraDown, st, acc, tCcC, rowmax, m_local, half):
     BM, R, ks, wgs = self.tile_m, self.rank, self.k_splits, self.wgs
     tidx, _, _ = cute.arch.thread_idx()
     _, kz, _ = cute.arch.block_idx()
-    wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
     red, red_all, lora_in = self.exchange(st)
-    part = cute.make_tensor(cute.recast_ptr(st.w.data_ptr(), dtype=cutlass.Float32), cute.make_layout((BM, max(R, 16)), stride=(max(R, 16), 1)))
-    if half == 0:
-        red[m_local, wg] = rowmax                                       # the shuffle gave both halves the same max
-    cute.arch.barrier()                                                 # every warpgroup's wgmmas are done with the ring
-    for w in cutlass.range_constexpr(wgs if R > 0 else 0):
-        if wg == w:
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                mm, r = tCcC[i]
-                part[mm, r] = acc[i] if w == 0 else part[mm, r] + acc[i]
-        cute.arch.barrier()
+    part = self.combine(st, acc, tCcC, rowmax, m_local, half)
     cute.arch.cluster_wait()                                            # every CTA of the cluster has started
     for i in cutlass.range(tidx, BM * ks, self.threads, unroll=1):      # row i % BM to CTA i // BM
         mx = red[i % BM, 0]
