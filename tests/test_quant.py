@@ -140,6 +140,10 @@ def test_int8_lanes_exact_against_quantize(fmt, M, K, R, dt, smooth):
 def test_int8_lanes_exact_with_warpgroups(fmt, M, K, R, dt, smooth, stages, warpgroups):
     "The first pass with several warpgroups a CTA, each on every `warpgroups`-th K-block: the same bit-exact result."
     x, lam, down = int8_lane_case(M, K, R, dt, smooth, 1)
+    if warpgroups > QuantLoraDown.hold_warpgroups(R):         # their accumulators would not fit in registers: refused
+        with pytest.raises(ValueError, match="warpgroups: must be an int from 1 to"):
+            gemm.BoundRows(x, lam, down.T.contiguous() if R else None, fmt=fmt, stages=stages, warpgroups=warpgroups)
+        return
     bound = gemm.BoundRows(x, lam, down.T.contiguous() if R else None, fmt=fmt, stages=stages, warpgroups=warpgroups)
     codes, base, lora_act = bound(x)
     check_int8_lanes(codes, base, lora_act, x, lam, down, fmt)
@@ -151,9 +155,10 @@ def test_first_pass_warpgroups_compile_and_bad_ones_are_refused():
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == 4 and len(re.findall(r"ld\.shared\.v4", ptx)) == 12
     base = gemm.compile_quant(M=300, K=1024, R=32, mode="pg_rowmax")[1]
     assert smem - base == 1024            # the warpgroups' 64 × 2 fp32 row maxima, the storage padded to its 1024-byte alignment
-    for kw in (dict(stages=3, stream_wgs=2), dict(stages=4, stream_wgs=2, mode="int4"), dict(stages=4, stream_wgs=0, mode="pg_rowmax")):
+    for R, kw in ((32, dict(stages=3, stream_wgs=2)), (32, dict(stages=4, stream_wgs=2, mode="int4")),
+                  (32, dict(stages=4, stream_wgs=0)), (256, dict(stages=4, stream_wgs=4))):   # the last: 512 threads, 128 accumulators each
         with pytest.raises(ValueError, match="stream_wgs="):
-            QuantLoraDown(32, **{"mode": "pg_rowmax", **kw})
+            QuantLoraDown(R, **{"mode": "pg_rowmax", **kw})
 
 @pytest.mark.parametrize("mode", ["pg_rowmax", "int4_pg", "int8"])
 def test_int8_lane_passes_compile_with_exact_arithmetic(mode):

@@ -646,12 +646,15 @@ class BoundRows:
     def __init__(self, x, smooth=None, lora_down_t=None, *, fmt="int4_pg", stages=ACT_STAGES, ctas_per_sm=ACT_CTAS_PER_SM,
                  warpgroups=None):
         from w4a4_book.kernels.sm90_quant import QuantLoraDown, RowCodes
-        wgs = ACT_WARPGROUPS if warpgroups is None else warpgroups
         if fmt == "int4":
             fail(ValueError, "fmt", "'int4': BoundRows binds the int8-lane formats (int4_pg, int8); int4 is one kernel, call quantize_lora_down")
         launch = _quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm)
         (M, K), ks, sig, dev, has_smooth = x.shape, launch["ks"], launch["sig"], x.device, smooth is not None
         self.sm, self.ldt, self.R, self.views = launch["sm"], launch["ldt"], sig[1], {}
+        most = QuantLoraDown.hold_warpgroups(self.R)      # the warpgroups whose LoRA accumulators fit in registers
+        wgs = min(ACT_WARPGROUPS, most) if warpgroups is None else warpgroups
+        if not isinstance(wgs, int) or not 1 <= wgs <= most or stages % wgs:
+            fail(ValueError, "warpgroups", f"must be an int from 1 to {most} (rank {self.R}) dividing stages={stages}, got {wgs!r}")
         # (dtype, shape) in workspace order: the intermediates, then what a call returns (codes last, the largest)
         self.buffers = ((torch.float32, (ks, M)), (torch.float32, (ks, M, max(self.R, 16))), (torch.float32, (M,)),
                         *(((x.dtype, (M, self.R)),) if self.R else ()), (torch.int8, (M, K)))

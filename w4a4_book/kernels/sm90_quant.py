@@ -134,6 +134,9 @@ class QuantLoraDown:
         if stream_wgs != 1 and (mode != "pg_rowmax" or stream_wgs < 1 or stages % stream_wgs):
             raise ValueError(f"stream_wgs={stream_wgs}, stages={stages}: the first pass (pg_rowmax) alone streams with "
                              f"several warpgroups, each taking every stream_wgs-th stage")
+        if stream_wgs > self.hold_warpgroups(rank):     # each thread keeps rank / 2 fp32 accumulators, whatever the warpgroups
+            raise ValueError(f"stream_wgs={stream_wgs}, rank={rank}: at most {self.hold_warpgroups(rank)} warpgroups keep "
+                             f"their LoRA accumulators in registers (65536 a CTA)")
         # two passes: warpgroup w takes K-blocks w, w + wgs, ... of the share (`stream_share`); one pass: `hold_warpgroups`
         self.wgs = self.hold_warpgroups(rank) if self.one_pass else stream_wgs
         self.threads = 128 * self.wgs
