@@ -14,21 +14,21 @@ SHAPES = tuple((M, K) for M in (4352, 256) for K in (3840, 10240, 15360))
 GRID = ((4, 2, 1), (4, 2, 2), (4, 4, 2), (2, 4, 2), (2, 2, 2), (2, 4, 4), (1, 4, 2), (8, 2, 1))   # (CTAs per SM, stages, warpgroups); first: the defaults
 
 
-def main(argv=None):
-    "Measure, print and save the record."
-    a = record_cli.parse(__doc__, argv, **OPTIONS)
+def main(argv=None, shapes=SHAPES, grid=GRID, script="first_pass_wgs.py", doc=__doc__):
+    "Measure `grid` at `shapes` (the first point the library's defaults), print and save the record."
+    a = record_cli.parse(doc, argv, **OPTIONS)
     import torch
     from w4a4_book import gemm
     from w4a4_book.bench.layer import _activation_inputs, activation_bytes, copy_bandwidth
     from w4a4_book.bench.timing import time_cuda
     from w4a4_book.records import provenance, save_record
-    assert GRID[0] == (gemm.ACT_CTAS_PER_SM, gemm.ACT_STAGES, gemm.ACT_WARPGROUPS), "the first point is the library's"
+    assert grid[0] == (gemm.ACT_CTAS_PER_SM, gemm.ACT_STAGES, gemm.ACT_WARPGROUPS), "the first point is the library's"
     copy, rows, R, fmt, skipped = copy_bandwidth(), [], a.rank, "int4_pg", {}
     sms = gemm.sm_count(torch.cuda.current_device())
-    for M, K in SHAPES:
+    for M, K in shapes:
         x, smooth, ldt = _activation_inputs(M, K, R)
         ref = None
-        for cps, stages, wgs in GRID:
+        for cps, stages, wgs in grid:
             name = f"{M}x{K} {cps} CTAs/SM, {stages} stages, {wgs} warpgroups"
             try:
                 bound = gemm.BoundRows(x, smooth, ldt, fmt=fmt, stages=stages, ctas_per_sm=cps, warpgroups=wgs)
@@ -46,10 +46,10 @@ def main(argv=None):
             bw = nbytes / (t["median_ms"] * 1e-3)
             rows.append(dict(fmt=fmt, M=M, K=K, R=R, ctas_per_sm=cps, stages=stages, warpgroups=wgs, k_splits=ks, bytes=nbytes, **t,
                              timing="graph", bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy, same_codes=same, lora_act_max_diff=lora_diff,
-                             default=(cps, stages, wgs) == GRID[0]))
+                             default=(cps, stages, wgs) == grid[0]))
             print(f"{name}: {t['median_ms'] * 1e3:.1f} us, {bw / copy:.0%} of copy{'' if same else ', CODES DIFFER'}, lora diff {lora_diff:.1e}", flush=True)
-    command = record_cli.command("first_pass_wgs.py", a, **OPTIONS)
-    prov = provenance(command, [list(s) for s in SHAPES], kind="activation_first_pass_wgs", rank=R, formats=[fmt], skipped=skipped)
+    command = record_cli.command(script, a, **OPTIONS)
+    prov = provenance(command, [list(s) for s in shapes], kind="activation_first_pass_wgs", rank=R, formats=[fmt], skipped=skipped)
     print(f"saved {save_record(a.out, prov, rows)}")
 
 
