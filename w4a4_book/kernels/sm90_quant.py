@@ -126,9 +126,12 @@ class QuantLoraDown:
     HOLD_THREADS = 1024     # one pass: warpgroup w of a CTA takes K-blocks w, w + wgs, ... of its share (`hold_warpgroups`)
     SMOOTH_BLOCKS = 64      # two passes: a share of at most this many K-blocks keeps its 1/smooth in shared memory (16 KB)
 
-    def __init__(self, rank, stages=4, has_smooth=True, k_splits=1, mode="int4", stream_wgs=1):
+    def __init__(self, rank, stages=4, has_smooth=True, k_splits=1, mode="int4", stream_wgs=1, dependent=False):
         if mode not in self.MODES: raise ValueError(f"mode={mode!r}: must be one of {self.MODES}")
         self.rank, self.stages, self.has_smooth, self.k_splits, self.mode = rank, stages, has_smooth, k_splits, mode
+        # a programmatic dependent of a kernel it does not read from (a GEMM on part of the SMs): it may start once
+        # that kernel's CTAs have all started, and never waits for it
+        self.dependent = dependent
         self.w_stages = stages if rank else 1      # rank 0: one idle 16-row stage keeps the code uniform
         self.one_pass = mode in ("int4_pg", "int8")
         if stream_wgs != 1 and (mode != "pg_rowmax" or stream_wgs < 1 or stages % stream_wgs):
@@ -221,7 +224,7 @@ class QuantLoraDown:
         self.tx = (BM + R) * G * dt.width // 8                             # bytes that land in one stage
         M = cute.size(mX, mode=[0])
         self.kernel(QuantLoads(tma_x, gX, tma_w, gW), mRecipSmooth, QuantOutputs(mCodes, mAux, mLora), mma, x_l, w_l).launch(
-            grid=((M + BM - 1) // BM, self.k_splits, 1), block=[self.threads, 1, 1], stream=stream,
+            grid=((M + BM - 1) // BM, self.k_splits, 1), block=[self.threads, 1, 1], stream=stream, use_pdl=self.dependent,
             **({"cluster": [1, self.k_splits, 1]} if self.one_pass else {}))        # two passes: no cluster
 
     @cute.kernel
