@@ -7,8 +7,8 @@ __all__ = ['CUTE_DTYPES', 'HIGH_NIBBLES', 'DECODE_SCALE', 'kernel_bundle', 'Gemm
            'NamedBarrier', 'decode_word_ref', 'decode_row_ref', 'kernel_k_order', 'check_decoded_layout',
            'packed_words', 'decoded_words', 'decode_tile', 'tma_split', 'GemmLoads', 'int4_loads', 'promote',
            'apply_affine', 'store_tile', 'storage_from_budget', 'check_term', 'WarpRoles', 'raster', 'PersistentRaster',
-           'fma_f32', 'pinned_i32', 'int4_arguments', 'padded_rows', 'placeholder', 'int4_tensors', 'Mmas',
-           'Int4Layouts', 'Int4GemmBase']
+           'stream_k_plan', 'fma_f32', 'pinned_i32', 'int4_arguments', 'padded_rows', 'placeholder', 'int4_tensors',
+           'Mmas', 'Int4Layouts', 'Int4GemmBase']
 
 # %% ../../nbs/03a_sm90_parts.ipynb #b46235d1
 import enum
@@ -324,6 +324,33 @@ class PersistentRaster:
         "The `(m, n)` output tile of CTA `rank` of its cluster for the cluster's `i`-th tile."
         m, nc = raster(cluster_id + i * n_clusters, self.m_tiles, self.n_ctiles, self.group_m, cutlass.min)
         return m, nc * self.cluster_n + rank
+
+# %% ../../nbs/03a_sm90_parts.ipynb #b98fb508
+def stream_k_plan(tiles: int, clusters: int, k_tiles: int) -> list:
+    """Per cluster, its work in order as `(tile, k0, k1, role)` (K-blocks `[k0, k1)` of linear tile `tile`): "full"
+    (all of K, then the epilogue), "partial" (a run without the tile's first K-block: stores an int32 partial) or
+    "finish" (the run with it: adds the tile's partials, then the epilogue). Whole rounds of tiles but the last
+    stay whole; the rest, at least one round, is shared out by K-blocks, the first `rest % clusters` runs one longer.
+    Where the tiles are a whole number of rounds (or fewer than one), every tile is whole, as in `PersistentRaster`."""
+    assert tiles >= 1 and clusters >= 1 and k_tiles >= 1, (tiles, clusters, k_tiles)
+    full_rounds = tiles // clusters
+    if tiles % clusters == 0 or full_rounds == 0:
+        return [[(t, 0, k_tiles, "full") for t in range(c, tiles, clusters)] for c in range(min(clusters, tiles))]
+    whole = (full_rounds - 1) * clusters                       # tiles of the rounds that stay whole
+    q, r = divmod((tiles - whole) * k_tiles, clusters)
+    plan = []
+    for c in range(clusters):
+        work = [(t, 0, k_tiles, "full") for t in range(c, whole, clusters)]
+        pos = whole * k_tiles + c * q + min(c, r)
+        end = pos + q + (c < r)
+        while pos < end:
+            t, k0 = divmod(pos, k_tiles)
+            k1 = min(k_tiles, k0 + end - pos)
+            work.append((t, k0, k1, "full" if (k0, k1) == (0, k_tiles) else "finish" if k0 == 0 else "partial"))
+            pos += k1 - k0
+        plan.append(work)
+    return plan
+
 
 # %% ../../nbs/03a_sm90_parts.ipynb #5a7448fb
 @dsl_user_op
