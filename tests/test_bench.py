@@ -227,6 +227,7 @@ def test_pg_methods_and_default_sets():
         "w4a4_pg_smem": (KernelRef("int4_pg", "v2", "smem"), ("int4_pg",), True, True),
         "w4a4_pg_256": (KernelRef("int4_pg", "v2", fields=(("tile_m", 256), ("epi_vectors", "smem"))), ("int4_pg",), True, True),
         "w4a4_pg_224": (KernelRef("int4_pg", "v2", fields=(("tile_m", 224), ("epi_vectors", "smem"))), ("int4_pg",), True, True),
+        "w4a4_pg_sk": (KernelRef("int4_pg", "v2sk"), ("int4_pg",), True, True),
         "w4a4_pg_128": (KernelRef("int4_pg", "v2", fields=(("tile_m", 128),)), ("int4_pg",), True, True),
         "w4a4_pg_64": (KernelRef("int4_pg", "v2", fields=(("tile_m", 64),)), ("int4_pg",), True, True),
         "w4a4_pg_epi1": (KernelRef("int4_pg", "v2", fields=(("epi_stages", 1),)), ("int4_pg",), True, True),

@@ -6,7 +6,7 @@ from w4a4_book import gemm, smem
 from w4a4_book.formats import quantize
 from w4a4_book.operands import Problem
 from w4a4_book.reference import w4a4_gemm_exact
-from w4a4_book.smem import HopperPgConfig, HopperPgSmemConfig, HopperPgV1Config
+from w4a4_book.smem import HopperPgConfig, HopperPgSmemConfig, HopperPgStreamKConfig, HopperPgV1Config
 
 
 def pg_problem(M, N, K, R=32, out_dtype=torch.bfloat16):
@@ -40,6 +40,22 @@ def test_v1_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
     rep = gemm.compile_kernel(HopperPgV1Config(**kw), pg_problem(4352, 3072, 3840, R))
     check_compiled(rep, R, a_in_registers=True)
     check_vectors(rep)
+
+
+@pytest.mark.parametrize("R", [32, 0])
+def test_stream_k_compiles_with_its_fixup(R):
+    "The stream-K kernel: the solver's storage, the same wgmmas, and its fixup's release add, poll and 128 relaxed loads of a partial."
+    rep = gemm.compile_kernel(HopperPgStreamKConfig(), pg_problem(4352, 3072, 3840, R))
+    assert rep.smem_bytes == rep.budget.allocated
+    ins = rep.instructions
+    assert ins["wgmma (int8)"] == 16 and ins["wgmma (16-bit)"] == R // 16 and ins["local memory"] == 0, ins
+    assert (rep.count(r"red\.release\.gpu\.global\.add\.s32"), rep.count(r"st\.relaxed\.gpu"), rep.count(r"nanosleep")) == (1, 1, 1)
+    assert rep.count(r"ld\.relaxed\.gpu\.global\.s32") == 2 + 64 * 256 // 128      # the poll (twice) and a thread's partial
+
+
+def test_stream_k_refuses_a_pair():
+    with pytest.raises(ValueError, match="cluster_n=2"):
+        smem.check_config(HopperPgStreamKConfig(cluster_n=2))
 
 
 def test_the_decode_multiplies_nothing():
@@ -254,3 +270,32 @@ def test_one_compiled_kernel_serves_every_m():
         torch.cuda.synchronize()
         check_exact(out, case, torch.bfloat16)
     assert len(gemm._compiled) - before == 1
+
+
+SK_GRID = [  # M, N, K, R: 256-row tiles on 132 CTAs; whole rounds, a cut last round, fewer tiles than CTAs, one K-block a run's piece
+    (4352, 3072, 3840, 32), (2176, 3072, 3840, 0), (4352, 3840, 15360, 32), (4352, 3072, 384, 16), (1000, 1024, 3840, 32),
+    (4352, 15360, 3840, 32), (300, 512, 1024, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K, R", SK_GRID)
+def test_stream_k_equals_whole_tiles(M, N, K, R):
+    """The stream-K kernel's output is the whole-tile kernel's (256-row tiles) bit for bit, on the first call, a
+    second one (its flags were reset) and three CUDA-graph replays."""
+    from w4a4_book.bench.timing import cuda_graph
+    case = make_pg_case(M, N, K, R, seed=M + N + K)
+    want = gemm.gemm_w4a4(*case, config=HopperPgConfig(tile_m=256, epi_vectors="smem"))
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    run = lambda: gemm.gemm_w4a4(*case, config=HopperPgStreamKConfig(), out=out)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        run()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), (out.float() - want.float()).abs().max().item()
+    replay = cuda_graph(run)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    check_exact(out, case, torch.bfloat16)

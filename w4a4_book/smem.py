@@ -8,9 +8,9 @@ __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALI
            'PROMOTIONS', 'ABLATIONS', 'FAMILIES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS', 'ArchFacts', 'Term',
            'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms', 'HopperV2Config',
            'hopper_v2_terms', 'HopperPgConfig', 'lora_chunk_of', 'hopper_pg_terms', 'HopperPgSmemConfig',
-           'HopperPgV1Config', 'hopper_pg_smem_terms', 'blackwell_orig_terms', 'Family', 'Sm100V1Config',
-           'sm100_tmem_columns', 'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms', 'check_config', 'Budget', 'solve',
-           'explain']
+           'HopperPgV1Config', 'HopperPgStreamKConfig', 'hopper_pg_smem_terms', 'blackwell_orig_terms', 'Family',
+           'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms', 'check_config',
+           'Budget', 'solve', 'explain']
 
 # %% ../nbs/03_smem.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -286,6 +286,15 @@ class HopperPgV1Config(HopperPgConfig):
     family: ClassVar[str] = "hopper_pg_v1"
     kernel: ClassVar[str] = "v1"
 
+@dataclass(frozen=True)
+class HopperPgStreamKConfig(HopperPgConfig):
+    """The register-decode kernel on a stream-K schedule (`sm90_parts.StreamK`): the last rounds' tiles shared out by
+    K-blocks, their int32 partials fixed up through global memory. One CTA a cluster; the shared memory of the
+    register-decode kernel, field for field."""
+    epi_vectors: str = "smem"
+    family: ClassVar[str] = "hopper_pg_sk"
+    kernel: ClassVar[str] = "v2sk"
+
 def hopper_pg_smem_terms(cfg: HopperPgSmemConfig, stages: dict, accounting: str) -> list:
     "The register-decode layout plus the decoded ring: its barriers and `decode_stages` int8 weight tiles."
     D = stages["decode"]
@@ -391,6 +400,10 @@ def _check_hopper_pg_v1(cfg):
     if lora_chunk_of(cfg) != cfg.lora_rank:
         raise ValueError(f"lora_chunk={cfg.lora_chunk}: v1 loads a tile's LoRA blocks whole, before its K-loop")
 
+def _check_hopper_pg_sk(cfg):
+    _check_hopper_pg(cfg)
+    _int(cfg, "cluster_n", 1, 1, why="the stream-K schedule runs one CTA a cluster (no pair shares its K-blocks)")
+
 def _check_hopper_pg_smem(cfg):
     _check_hopper_pg(cfg)
     _int(cfg, "tile_m", 64, 128, 64, "512 threads leave each 128 registers at launch, and a 64 x tile_m int32 accumulator takes tile_m / 2")
@@ -429,6 +442,8 @@ FAMILIES = {
                            given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
     HopperPgV1Config: Family(hopper_pg_terms, _check_hopper_pg_v1, archs=("sm_90",), fmt="int4_pg", min_stages=2,
                              given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
+    HopperPgStreamKConfig: Family(hopper_pg_terms, _check_hopper_pg_sk, archs=("sm_90",), fmt="int4_pg", min_stages=2,
+                                  given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
     HopperPgSmemConfig: Family(hopper_pg_smem_terms, _check_hopper_pg_smem, archs=("sm_90",), fmt="int4_pg",
                                given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
     BlackwellOrigConfig: Family(blackwell_orig_terms, _check_blackwell_orig, archs=("sm_100",), fmt="nvfp4", fill="epi",

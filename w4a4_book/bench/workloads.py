@@ -354,6 +354,7 @@ PG_KERNELS = (kernel_method("w4a4_pg", PG_KERNEL),
               kernel_method("w4a4_pg_smem", KernelRef("int4_pg", "v2", "smem")),          # the decode-warpgroup mainloop
               kernel_method("w4a4_pg_256", KernelRef("int4_pg", "v2", fields=(("tile_m", 256), ("epi_vectors", "smem")))),  # the tallest tile
               kernel_method("w4a4_pg_224", KernelRef("int4_pg", "v2", fields=(("tile_m", 224), ("epi_vectors", "smem")))),  # a tile that can fit the waves
+              kernel_method("w4a4_pg_sk", KernelRef("int4_pg", "v2sk")),   # the 256-row tile on the stream-K schedule (opt-in)
               kernel_method("w4a4_pg_128", KernelRef("int4_pg", "v2", fields=(("tile_m", 128),))),   # a 128-row activation tile
               kernel_method("w4a4_pg_64", KernelRef("int4_pg", "v2", fields=(("tile_m", 64),))),     # 64 rows: more tiles at small M
               kernel_method("w4a4_pg_epi1", KernelRef("int4_pg", "v2", fields=(("epi_stages", 1),))),  # one output sub-tile in flight: a main stage more

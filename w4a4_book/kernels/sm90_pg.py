@@ -4,12 +4,14 @@
 
 # %% auto #0
 __all__ = ['TILE_N', 'TILE_K', 'WORDS_W', 'WORDS_U', 'SIGN_SEL', 'TABLE_WORDS', 'Q_OF_CODE', 'CODE_OF_Q', 'DECODE_LOOKUP',
-           'PG_ROLES', 'DECODE', 'WORD_DECODE', 'SMEM_ROLES', 'PG_V1_ROLES', 'decode_lookup', 'prepack_weights',
-           'prmt_ref', 'decode_word_ref', 'PgTensors', 'pg_arguments', 'pg_tensors', 'PgLoads', 'PgLayouts',
-           'W4A4GemmPg', 'PgMmas', 'PgVectors', 'PgCta', 'PgTileCopies', 'prmt', 'fence_operand', 'lookup_row',
-           'decode_word', 'PgDecodeViews', 'EpiReads', 'W4A4GemmPgSmem', 'W4A4GemmPgV1']
+           'SK_SLOTS', 'SK_WORDS', 'PG_ROLES', 'DECODE', 'WORD_DECODE', 'SMEM_ROLES', 'PG_V1_ROLES', 'decode_lookup',
+           'prepack_weights', 'prmt_ref', 'decode_word_ref', 'PgTensors', 'pg_arguments', 'sk_arguments', 'pg_tensors',
+           'sk_tensors', 'PgLoads', 'PgLayouts', 'W4A4GemmPg', 'PgMmas', 'PgVectors', 'PgCta', 'PgTileCopies', 'prmt',
+           'fence_operand', 'lookup_row', 'decode_word', 'PgDecodeViews', 'EpiReads', 'W4A4GemmPgSmem', 'W4A4GemmPgV1',
+           'pg_sk_arguments', 'pg_sk_tensors', 'W4A4GemmPgStreamK']
 
 # %% ../../nbs/05b_pg.ipynb #bf3d93c4
+import dataclasses
 import weakref
 from typing import NamedTuple
 import numpy as np
@@ -29,7 +31,9 @@ import w4a4_book.formats as formats
 import w4a4_book.operands as operands
 import w4a4_book.smem as smem
 import w4a4_book.kernels.sm90_parts as parts
-from .sm90_parts import NamedBarrier, PersistentRaster, WarpRoles, kernel_bundle, tma_split
+from .sm90_parts import (NamedBarrier, PersistentRaster, SK_FINISH, SK_FULL, SK_PARTIAL, StreamK, WarpRoles,
+                                          arrive_release_gpu, fence_gpu, kernel_bundle, load_relaxed_gpu, nanosleep,
+                                          store_relaxed_gpu, tma_split)
 
 # %% ../../nbs/05b_pg.ipynb #58a06bc0
 TILE_N, TILE_K = 128, 128            # one packed block: 128 weight rows (two MMA warpgroups) × 128 K
@@ -132,7 +136,16 @@ def pg_arguments(p: operands.Problem) -> tuple:
             A("wq", cutlass.Int32, (256, 8, KB, NB), (0, 1, 2, 3)), A("wu", cutlass.Int32, (WORDS_U, KB, NB), (0, 1, 2)),
             A("wgt_base", cutlass.Float32, (p.N,)), A("lora_act", dt[p.lora_dtype], (p.M, R), rowmaj, m_mode=0),
             A("lora_up", dt[p.lora_dtype], (p.N, R), rowmaj), A("wcscales", dt[p.wcscales_dtype], (p.N,)),
-            A("bias", dt[p.bias_dtype], (p.N,)), A("out", dt[p.out_dtype], (p.M, p.N), rowmaj, m_mode=0))
+            A("bias", dt[p.bias_dtype], (p.N,)), A("out", dt[p.out_dtype], (p.M, p.N), rowmaj, m_mode=0), *sk_arguments(0))
+
+SK_SLOTS = 132             # stream-K: partials a launch can hold, one a cluster (the kernel launches at most this many)
+SK_WORDS = 256 * TILE_N    # int32 words of one partial: the tallest tile's accumulator, in its MMA threads' register order
+
+def sk_arguments(slots: int) -> tuple:
+    """The stream-K fixup's buffers: `slots` int32 partials of `SK_WORDS` and two flags a slot (one a MMA
+    warpgroup); one-word stand-ins at `slots` 0, for a kernel that never cuts a tile."""
+    A = parts.ArgSpec
+    return (A("sk_partials", cutlass.Int32, (slots * SK_WORDS if slots else 1,)), A("sk_flags", cutlass.Int32, (2 * slots if slots else 1,)))
 
 _prepacked: dict = {}      # id of the weights' code tensor → (a weak reference to it, its version, the u tensor's, packed)
 
@@ -161,7 +174,20 @@ def pg_tensors(p: operands.Problem, act, wgt, lora_act, lora_up, wcscales, bias,
     wcs = wcscales if wcscales is not None else parts.placeholder(p.wcscales_dtype, dev, p.N)
     b = bias if bias is not None else parts.placeholder(p.bias_dtype, dev, p.N)
     wq, wu = _prepacked_weights(wgt)
-    return [act.data, act.base, wq, wu, wgt.base, lora_act, lora_up, wcs, b, out]
+    return [act.data, act.base, wq, wu, wgt.base, lora_act, lora_up, wcs, b, out, *sk_tensors(dev, 0)]
+
+_sk_workspace: dict = {}   # (device, slots) → the stream-K partials and flags: zero between launches
+
+def sk_tensors(dev, slots: int) -> list:
+    """The tensors of `sk_arguments(slots)`: stand-ins at 0; else the device's workspace, made zero once. Every launch
+    leaves its flags zero again (each finishing run resets the flag it waited on). NOTES: one workspace a device, so
+    two stream-K GEMMs must not run at once on two streams of one GPU."""
+    if not slots:
+        return [parts.placeholder(torch.int32, dev, 1), parts.placeholder(torch.int32, dev, 1)]
+    key = (dev, slots)
+    if key not in _sk_workspace:
+        _sk_workspace[key] = (torch.zeros(slots * SK_WORDS, dtype=torch.int32, device=dev), torch.zeros(2 * slots, dtype=torch.int32, device=dev))
+    return list(_sk_workspace[key])
 
 # %% ../../nbs/05b_pg.ipynb #fa501bea
 PG_ROLES = WarpRoles(load_warp=0, decode_warps=(), mma_warps=tuple(range(4, 12)), load_regs=24, mma_regs=240)
@@ -287,18 +313,18 @@ def _loads(self: W4A4GemmPg, t: PgTensors) -> PgLoads:
 @cute.jit
 def __call__(self: W4A4GemmPg, mA: cute.Tensor, mBaseA: cute.Tensor, mWq: cute.Tensor, mWu: cute.Tensor,
              mBaseW: cute.Tensor, mLA: cute.Tensor, mLU: cute.Tensor, mWcs: cute.Tensor, mBias: cute.Tensor,
-             mC: cute.Tensor, stream: cuda.CUstream):
+             mC: cute.Tensor, mPartials: cute.Tensor, mFlags: cute.Tensor, stream: cuda.CUstream):
     "`pg_arguments`: M at run time. A persistent grid: one CTA per SM (one pair per two), at most one per cluster tile."
     mc = self.cluster_n
     t = PgTensors(mA, mBaseA, mWq, mWu, mBaseW, mLA, mLU, mWcs, mBias, mC)
     self._setup(t)
     loads = self._loads(t)
-    M, N = cute.size(mC, mode=[0]), cute.size(mC, mode=[1])
-    self.scheduler = self.Scheduler((M + self.bm - 1) // self.bm, N // (self.bn * mc), mc)
+    M = cute.size(mC, mode=[0])
     self.k_tiles = cute.size(mA, mode=[1]) // self.bk
+    self.scheduler = self.make_scheduler(M)
     tiles = self.scheduler.m_tiles * self.scheduler.n_ctiles
     clusters = cutlass.min(tiles, self.num_sms // mc) if self.persistent else tiles
-    self.kernel(loads, PgVectors(mBaseA, mBaseW, mWcs, mBias), self.mmas, self.layouts, M).launch(
+    self.kernel(loads, PgVectors(mBaseA, mBaseW, mWcs, mBias, mPartials, mFlags), self.mmas, self.layouts, M).launch(
         grid=(clusters * mc, 1, 1), block=[self.threads, 1, 1], cluster=(mc, 1, 1), stream=stream)
 
 @kernel_bundle
@@ -308,8 +334,9 @@ class PgMmas(NamedTuple):
 
 @kernel_bundle
 class PgVectors(NamedTuple):
-    "The per-row and per-column vectors the epilogue reads from global memory."
+    "The per-row and per-column vectors the epilogue reads from global memory, and the stream-K fixup's buffers."
     base_a: object; base_w: object; wcscales: object; bias: object
+    partials: object; flags: object
 
 # %% ../../nbs/05b_pg.ipynb #5fb2a120
 @kernel_bundle
@@ -329,7 +356,7 @@ def kernel(self: W4A4GemmPg, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layo
     gdim, _, _ = cute.arch.grid_dim()
     rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
     cluster_id, n_clusters = bidx // mc, gdim // mc
-    sched = self.Scheduler((M + self.bm - 1) // self.bm, self.problem.N // (self.bn * mc), mc)
+    sched = self.make_scheduler(M)
     cta = PgCta(rank, cluster_id, n_clusters, sched.count(cluster_id, n_clusters), sched)
     if warp_idx == roles.load_warp:
         for atom in (loads.w, loads.u, loads.a, loads.c):
@@ -462,13 +489,13 @@ def load(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, load_pipe, lo
     prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
     lprod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.lstages)
     for i in cutlass.range(cta.my_tiles, unroll=1):
-        m, n = cta.sched.tile_mn(i, cta.rank, cta.cluster_id, cta.n_clusters)
+        m, n, k0, kt, role = self.unit(cta, i)
         copies = self.tile_copies(st, loads, layouts, cta.rank, m, n)
-        for k in cutlass.range(self.k_tiles, unroll=1):
+        for k in cutlass.range(k0, k0 + kt, unroll=1):
             self.load_block(loads, load_pipe, prod, copies, k)
             prod.advance()
         if cutlass.const_expr(self.lora_rank > 0):
-            lprod = self.load_lora(st, loads, layouts, lora_pipe, lprod, cta.rank, copies.mask, m, n)
+            lprod = self.unit_lora(st, loads, layouts, lora_pipe, lprod, cta.rank, copies.mask, m, n, role)
 
 @patch
 def first_loads(self: W4A4GemmPg, st, loads, layouts, load_pipe, lora_pipe, cta):
@@ -643,12 +670,44 @@ def mma_role(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas
     lcons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.lstages)
     fill = self.first_loads(st, loads, layouts, load_pipe, lora_pipe, cta)
     for i in cutlass.range(cta.my_tiles, unroll=1):
-        m, n = cta.sched.tile_mn(i, cta.rank, cta.cluster_id, cta.n_clusters)
+        m, n, _, kt, role = self.unit(cta, i)
         pre = self.prefetch_vectors(vecs, t, wgi, m, n, M)
-        cons, rel = self.kloop(mmas, acc, F0, F1, tCrB, dv, load_pipe, cons, rel, fill)
-        lcons = self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, pre, t, wgi, m, n, M)
+        cons, rel = self.unit_kloop(mmas, acc, (F0, F1), tCrB, dv, load_pipe, (cons, rel), fill, kt)
+        lcons = self.unit_end(st, loads, vecs, mmas, layouts, lora_pipe, lcons, (acc, tCcC, lora_frags), pre, (t, wgi, cta), m, n, M, role)
     if t == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)      # the last stores have read shared memory before the CTA exits
+
+# %% ../../nbs/05b_pg.ipynb #b00470f9
+@patch
+def make_scheduler(self: W4A4GemmPg, M):
+    "The schedule of this launch (`Scheduler`, given the run-time M): its cluster tiles over the launched clusters."
+    return self.Scheduler((M + self.bm - 1) // self.bm, self.problem.N // (self.bn * self.cluster_n), self.cluster_n)
+
+@patch
+def unit(self: W4A4GemmPg, cta: PgCta, i):
+    """The cluster's `i`-th unit of work as `(m, n, k0, k_blocks, role)`: here always a whole tile, all `k_tiles`
+    K-blocks from 0 (`SK_FULL`, a Python constant, so that nothing below branches on it)."""
+    m, n = cta.sched.tile_mn(i, cta.rank, cta.cluster_id, cta.n_clusters)
+    return m, n, 0, self.k_tiles, SK_FULL
+
+@patch
+def unit_lora(self: W4A4GemmPg, st, loads, layouts, lora_pipe, lprod, rank, mask, m, n, role):
+    "The load warp: a unit's LoRA blocks (every unit writes its tile here)."
+    return self.load_lora(st, loads, layouts, lora_pipe, lprod, rank, mask, m, n)
+
+@patch
+def unit_kloop(self: W4A4GemmPg, mmas, acc, frags, tCrB, dv, pipe, states, fill, kt):
+    "A unit's K-loop: here `kloop` over all `k_tiles` blocks; returns `(cons, rel)`."
+    assert kt == self.k_tiles, "a whole-tile schedule's units are whole tiles"
+    return self.kloop(mmas, acc, *frags, tCrB, dv, pipe, *states, fill)
+
+@patch
+def unit_end(self: W4A4GemmPg, st, loads, vecs, mmas, layouts, lora_pipe, lcons, accs, pre, where, m, n, M, role):
+    "After a unit's K-loop: here the epilogue of its tile; returns the LoRA consumer state."
+    acc, tCcC, lora_frags = accs
+    t, wgi, _ = where
+    return self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, pre, t, wgi, m, n, M)
+
 
 # %% ../../nbs/05b_pg.ipynb #923481e2
 class EpiReads(NamedTuple):
@@ -923,3 +982,119 @@ class W4A4GemmPgV1(W4A4GemmPg):
                 prod = pipeline.PipelineState(self.stages, cutlass.Int32(k), cutlass.Int32(k), cutlass.Int32(1))
                 self.load_block(loads, load_pipe, prod, copies, k)
         return loads, copies, warp
+
+# %% ../../nbs/05b_pg.ipynb #f0f9dc2a
+def pg_sk_arguments(p: operands.Problem) -> tuple:
+    "`pg_arguments` with the stream-K workspace: `SK_SLOTS` partials and their flags."
+    return (*pg_arguments(p)[:-2], *sk_arguments(SK_SLOTS))
+
+def pg_sk_tensors(p: operands.Problem, *args) -> list:
+    "`pg_tensors` with this device's stream-K workspace in place of the stand-ins."
+    t = pg_tensors(p, *args)
+    return [*t[:-2], *sk_tensors(t[0].device, SK_SLOTS)]
+
+class W4A4GemmPgStreamK(W4A4GemmPg):
+    "The register-decode kernel on the stream-K schedule (`sm90_parts.StreamK`): one CTA a cluster, cut tiles fixed up in global memory."
+    name = "sm90 v2 int4_pg stream-K"
+    arguments = staticmethod(pg_sk_arguments)
+    tensors = staticmethod(pg_sk_tensors)
+    BACKOFF_NS = 64           # a finishing run's poll interval on its flag
+
+    def __init__(self, budget, problem, num_sms, scheduler=StreamK):
+        super().__init__(budget, problem, min(num_sms, SK_SLOTS), scheduler)     # one slot a cluster
+        assert self.cluster_n == 1 and self.bm * TILE_N <= SK_WORDS, (self.cluster_n, self.bm)
+
+    @classmethod
+    def requirements(cls, cfg) -> operands.Requirements:
+        "The register-decode kernel's, with one CTA a cluster."
+        return dataclasses.replace(W4A4GemmPg.requirements(cfg), name=cls.name, cluster_sizes=(1,))
+
+    def make_scheduler(self, M):
+        return self.Scheduler((M + self.bm - 1) // self.bm, self.problem.N // self.bn, 1, self.k_tiles)
+
+    def unit(self, cta, i):
+        return cta.sched.unit(i, cta.cluster_id, cta.n_clusters)
+
+    @cute.jit
+    def unit_lora(self, st, loads, layouts, lora_pipe, lprod, rank, mask, m, n, role):
+        if role != SK_PARTIAL:
+            lprod = self.load_lora(st, loads, layouts, lora_pipe, lprod, rank, mask, m, n)
+        return lprod
+
+    @cute.jit
+    def unit_kloop(self, mmas, acc, frags, tCrB, dv, pipe, states, fill, kt):
+        "`kt` ≥ 1 K-blocks into `acc`, zeroed first; each block decoded while the one before runs (`run_step`)."
+        F0, F1 = frags
+        cons, rel = states
+        acc.fill(0)
+        pipe.consumer_wait(cons)
+        self.load_decode(dv, F0, cons.index)
+        self.mma_block(mmas, acc, F0, tCrB, cons.index)
+        cons.advance()
+        for _ in cutlass.range((kt - 1) // 2, unroll=1):
+            cons, rel = self.run_step(mmas, acc, F1, tCrB, dv, pipe, cons, rel)
+            cons, rel = self.run_step(mmas, acc, F0, tCrB, dv, pipe, cons, rel)
+        if (kt - 1) % 2 == 1:
+            cons, rel = self.run_step(mmas, acc, F1, tCrB, dv, pipe, cons, rel)
+        cute.nvgpu.warpgroup.wait_group(0)
+        pipe.consumer_release(rel)
+        rel.advance()
+        return cons, rel
+
+    def run_step(self, mmas, acc, F, tCrB, dv, pipe, cons, rel):
+        "One block: decode it into `F` (free: its last wgmmas retired a step ago), issue it, retire the block before and free its stage."
+        pipe.consumer_wait(cons)
+        self.load_decode(dv, F, cons.index)
+        self.mma_block(mmas, acc, F, tCrB, cons.index)
+        cute.nvgpu.warpgroup.wait_group(1)
+        pipe.consumer_release(rel)
+        rel.advance()
+        cons.advance()
+        return cons, rel
+
+    @cute.jit
+    def unit_end(self, st, loads, vecs, mmas, layouts, lora_pipe, lcons, accs, pre, where, m, n, M, role):
+        acc, tCcC, lora_frags = accs
+        t, wgi, cta = where
+        if role == SK_PARTIAL:
+            self.store_partial(vecs, acc, cta.cluster_id, t, wgi)
+        else:
+            if role == SK_FINISH:
+                self.add_partial(vecs, acc, cta.cluster_id + 1, t, wgi)
+            lcons = self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, pre, t, wgi, m, n, M)
+        return lcons
+
+    def flag_addr(self, vecs, slot, wgi):
+        "The global address of warpgroup `wgi`'s flag of partial slot `slot`."
+        return vecs.flags.iterator.toint() + cutlass.Int64(slot * 2 + wgi) * 4
+
+    @cute.jit
+    def store_partial(self, vecs, acc, slot, t, wgi):
+        "Thread `t`'s accumulators into slot `slot`, word `i` of it at `i·128 + t` (coalesced); then the warpgroup's flag, released."
+        W = cute.size(acc)
+        base = slot * SK_WORDS + wgi * W * 128 + t
+        for i in cutlass.range_constexpr(W):
+            vecs.partials[base + i * 128] = acc[i]
+        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
+        if t == 0:
+            fence_gpu()                                    # the warpgroup's stores, seen through the barrier, before the flag
+            arrive_release_gpu(self.flag_addr(vecs, slot, wgi))
+
+    @cute.jit
+    def add_partial(self, vecs, acc, slot, t, wgi):
+        "Wait for slot `slot`'s flag (thread 0, then the warpgroup's barrier), reset it, and add the partial into `acc`."
+        addr = self.flag_addr(vecs, slot, wgi)
+        if t == 0:
+            seen = load_relaxed_gpu(addr)
+            while seen == 0:
+                nanosleep(self.BACKOFF_NS)
+                seen = load_relaxed_gpu(addr)
+            fence_gpu()
+            store_relaxed_gpu(addr, 0)                     # the next launch's run starts from zero
+        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
+        fence_gpu()
+        W = cute.size(acc)
+        base = vecs.partials.iterator.toint() + cutlass.Int64(slot * SK_WORDS + wgi * W * 128 + t) * 4
+        for i in cutlass.range_constexpr(W):
+            acc[i] = acc[i] + load_relaxed_gpu(base + i * 512)
+
