@@ -31,9 +31,9 @@ import w4a4_book.formats as formats
 import w4a4_book.operands as operands
 import w4a4_book.smem as smem
 import w4a4_book.kernels.sm90_parts as parts
-from .sm90_parts import (NamedBarrier, PersistentRaster, SK_FINISH, SK_FULL, SK_PARTIAL, StreamK, WarpRoles,
-                                          arrive_release_gpu, fence_gpu, kernel_bundle, load_relaxed_gpu, nanosleep,
-                                          store_relaxed_gpu, tma_split)
+from .sm90_parts import (
+    NamedBarrier, PersistentRaster, SK_FINISH, SK_FULL, SK_PARTIAL, StreamK, WarpRoles, arrive_release_gpu, fence_gpu,
+    kernel_bundle, load_relaxed_gpu, nanosleep, store_relaxed_gpu, tma_split)
 
 # %% ../../nbs/05b_pg.ipynb #58a06bc0
 TILE_N, TILE_K = 128, 128            # one packed block: 128 weight rows (two MMA warpgroups) × 128 K
