@@ -50,7 +50,8 @@ def test_stream_k_compiles_with_its_fixup(R):
     ins = rep.instructions
     assert ins["wgmma (int8)"] == 16 and ins["wgmma (16-bit)"] == R // 16 and ins["local memory"] == 0, ins
     assert (rep.count(r"red\.release\.gpu\.global\.add\.s32"), rep.count(r"st\.relaxed\.gpu"), rep.count(r"nanosleep")) == (1, 1, 1)
-    assert rep.count(r"ld\.relaxed\.gpu\.global\.s32") == 2 + 64 * 256 // 128      # the poll (twice) and a thread's partial
+    assert rep.count(r"ld\.relaxed\.gpu\.global\.s32") == 2                            # the poll, before and in its loop
+    assert rep.count(r"ld\.relaxed\.gpu\.global\.v4\.s32") == rep.count(r"st\.global\.v4\.s32") == 64 * 256 // 128 // 4   # a thread's partial
 
 
 def test_stream_k_refuses_a_pair():
