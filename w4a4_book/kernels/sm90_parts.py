@@ -7,9 +7,9 @@ __all__ = ['CUTE_DTYPES', 'HIGH_NIBBLES', 'DECODE_SCALE', 'SK_FULL', 'SK_FINISH'
            'ArgSpec', 'fake_tensor', 'NamedBarrier', 'decode_word_ref', 'decode_row_ref', 'kernel_k_order',
            'check_decoded_layout', 'packed_words', 'decoded_words', 'decode_tile', 'tma_split', 'GemmLoads',
            'int4_loads', 'promote', 'apply_affine', 'store_tile', 'storage_from_budget', 'check_term', 'WarpRoles',
-           'raster', 'PersistentRaster', 'stream_k_plan', 'stream_k_split', 'stream_k_count', 'stream_k_unit',
-           'StreamK', 'fence_gpu', 'arrive_release_gpu', 'load_relaxed_gpu', 'store_relaxed_gpu', 'nanosleep',
-           'fma_f32', 'pinned_i32', 'int4_arguments', 'padded_rows', 'placeholder', 'int4_tensors', 'Mmas',
+           'raster', 'PersistentRaster', 'stream_k_plan', 'stream_k_split', 'stream_k_run', 'stream_k_count',
+           'stream_k_unit', 'StreamK', 'fence_gpu', 'arrive_release_gpu', 'load_relaxed_gpu', 'store_relaxed_gpu',
+           'nanosleep', 'fma_f32', 'pinned_i32', 'int4_arguments', 'padded_rows', 'placeholder', 'int4_tensors', 'Mmas',
            'Int4Layouts', 'Int4GemmBase']
 
 # %% ../../nbs/03a_sm90_parts.ipynb #b46235d1
@@ -366,20 +366,21 @@ def stream_k_split(tiles, clusters, k_tiles, minimum=min):
     rest = (tiles - whole) * k_tiles
     return whole, rest // clusters, rest % clusters
 
-def stream_k_count(c, clusters, tiles, k_tiles, minimum=min, maximum=max):
-    "How many units cluster `c` runs: its whole tiles, then its run's pieces (one per tile the run touches)."
+def stream_k_run(c, clusters, tiles, k_tiles, minimum=min, maximum=max):
+    "`(whole tiles, a, b)` of cluster `c`: how many whole tiles it takes, then its run `[a, b)` of the flat K-blocks."
     whole, q, r = stream_k_split(tiles, clusters, k_tiles, minimum)
     a = whole * k_tiles + c * q + minimum(c, r)
-    b = a + q + minimum(maximum(r - c, 0), 1)
+    return (whole - c + clusters - 1) // clusters, a, a + q + minimum(maximum(r - c, 0), 1)
+
+def stream_k_count(c, clusters, tiles, k_tiles, minimum=min, maximum=max):
+    "How many units cluster `c` runs: its whole tiles, then its run's pieces (one per tile the run touches)."
+    nd, a, b = stream_k_run(c, clusters, tiles, k_tiles, minimum, maximum)
     has = minimum(b - a, 1)
-    return (whole - c + clusters - 1) // clusters + has * ((b - has) // k_tiles - a // k_tiles + 1)
+    return nd + has * ((b - has) // k_tiles - a // k_tiles + 1)
 
 def stream_k_unit(i, c, clusters, tiles, k_tiles, minimum=min, maximum=max):
     "Unit `i` of cluster `c`: `(tile, k0, k1, role)`, as `stream_k_plan` lists it."
-    whole, q, r = stream_k_split(tiles, clusters, k_tiles, minimum)
-    nd = (whole - c + clusters - 1) // clusters                            # its whole tiles
-    a = whole * k_tiles + c * q + minimum(c, r)
-    b = a + q + minimum(maximum(r - c, 0), 1)
+    nd, a, b = stream_k_run(c, clusters, tiles, k_tiles, minimum, maximum)
     sk = minimum(maximum(i - nd + 1, 0), 1)                                # 1 once past the whole tiles
     t = (1 - sk) * (c + i * clusters) + sk * (a // k_tiles + maximum(i - nd, 0))
     k0 = sk * (maximum(a, t * k_tiles) - t * k_tiles)

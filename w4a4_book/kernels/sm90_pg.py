@@ -1068,12 +1068,15 @@ class W4A4GemmPgStreamK(W4A4GemmPg):
         "The global address of warpgroup `wgi`'s flag of partial slot `slot`."
         return vecs.flags.iterator.toint() + cutlass.Int64(slot * 2 + wgi) * 4
 
+    def partial_word(self, acc, slot, t, wgi):
+        "Thread `t` of warpgroup `wgi`: the word of slot `slot` that holds its first accumulator (its `i`-th is `i·128` words on)."
+        return slot * SK_WORDS + wgi * cute.size(acc) * 128 + t
+
     @cute.jit
     def store_partial(self, vecs, acc, slot, t, wgi):
         "Thread `t`'s accumulators into slot `slot`, word `i` of it at `i·128 + t` (coalesced); then the warpgroup's flag, released."
-        W = cute.size(acc)
-        base = slot * SK_WORDS + wgi * W * 128 + t
-        for i in cutlass.range_constexpr(W):
+        base = self.partial_word(acc, slot, t, wgi)
+        for i in cutlass.range_constexpr(cute.size(acc)):
             vecs.partials[base + i * 128] = acc[i]
         cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
         if t == 0:
@@ -1093,8 +1096,7 @@ class W4A4GemmPgStreamK(W4A4GemmPg):
             store_relaxed_gpu(addr, 0)                     # the next launch's run starts from zero
         cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
         fence_gpu()
-        W = cute.size(acc)
-        base = vecs.partials.iterator.toint() + cutlass.Int64(slot * SK_WORDS + wgi * W * 128 + t) * 4
-        for i in cutlass.range_constexpr(W):
+        base = vecs.partials.iterator.toint() + cutlass.Int64(self.partial_word(acc, slot, t, wgi)) * 4
+        for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = acc[i] + load_relaxed_gpu(base + i * 512)
 
