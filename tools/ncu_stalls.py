@@ -27,23 +27,32 @@ metric ncu printed, by section, with the provenance of `w4a4_book.records`.
 import argparse, csv, io, os, shlex, subprocess, sys
 from pathlib import Path
 
-SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats", "InstructionStats",
-            "SourceCounters")
+SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats",
+            "InstructionStats", "SourceCounters")
 ACT_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats",
                 "Occupancy", "LaunchStats")
 DETAILS = ("--print-details", "all")   # also the metrics behind each section's charts: stall reasons, pipe shares
 WARMUP = 3
 
-def kernel_config(name, fmt="int4", shape=None):
+def kernel_config(name, fmt="int4", shape=None, sets=()):
     """The registry's kernel `name` (None: the format's default kernel) for `fmt` as `(spec, config)`: its config at
-    every default, with the tile the library picks for `shape` where the kernel has a choice (`gemm.tile_choice`)."""
+    every default, with the tile the library picks for `shape` where the kernel has a choice (`gemm.tile_choice`),
+    then the fields `sets` names (`NAME=VALUE` strings, a value parsed as the field's default is typed)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from dataclasses import fields, replace
     from w4a4_book import gemm
     spec = gemm.find_kernel(name, fmt)
     config = spec.config()
-    return spec, (config if shape is None else gemm.tile_choice(config, gemm.example_problem(spec, *shape)))
+    config = config if shape is None else gemm.tile_choice(config, gemm.example_problem(spec, *shape))
+    types = {f.name: type(f.default) for f in fields(config)}
+    for s in sets:
+        field, _, value = s.partition("=")
+        if field not in types or not value:
+            sys.exit(f"--set {s!r}: expected NAME=VALUE with NAME a field of {type(config).__name__}: {sorted(types)}")
+        config = replace(config, **{field: types[field](value) if types[field] in (int, str) else value})
+    return spec, config
 
-def child(name, fmt, shape, activation=False, one_pass=None):
+def child(name, fmt, shape, activation=False, one_pass=None, sets=()):
     "Runs inside ncu: build one workload and launch the kernel `name` (or the activation side) WARMUP + 1 times."
     import torch
     from w4a4_book import gemm
@@ -51,7 +60,7 @@ def child(name, fmt, shape, activation=False, one_pass=None):
     if activation:
         launch = activation_call(fmt, shape, one_pass)
     else:
-        _, config = kernel_config(name, fmt, shape)
+        _, config = kernel_config(name, fmt, shape, sets)
         w = make_workload(*shape, fmt=fmt)
         launch, _ = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=config)
     for _ in range(WARMUP + 1):
@@ -168,6 +177,8 @@ def parser():
     ap.add_argument("--roles", action="store_true", help="per-role samples from the source page (see the docstring)")
     ap.add_argument("--activation", action="store_true", help="profile the activation side's kernels (see the docstring)")
     ap.add_argument("--one-pass", type=int, default=None, metavar="C", help="with --activation: the one-pass kernel, a cluster of C")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
+                    help="a config field set after the library's choice, e.g. tile_m=256 (repeatable)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return ap
 
@@ -180,10 +191,10 @@ def main(argv=None):
     if a.activation:                                          # no GEMM kernel: the activation side's own kernels
         a.kernel = "activation"
         return child(a.kernel, a.fmt, a.shape, True, a.one_pass) if a.child else activation_main(a)
-    spec, config = kernel_config(a.kernel, a.fmt, a.shape)   # an unknown name or format fails here, naming it
+    spec, config = kernel_config(a.kernel, a.fmt, a.shape, a.sets)   # an unknown name, format or field fails here, naming it
     a.kernel = spec.kernel
     if a.child:
-        return child(a.kernel, a.fmt, a.shape)
+        return child(a.kernel, a.fmt, a.shape, sets=a.sets)
     def profile(extra):
         return subprocess.run(ncu_command(a, "--csv", "--page", "details", *[x for s in SECTIONS for x in ("--section", s)],
                                           *extra), capture_output=True, text=True)
@@ -197,7 +208,7 @@ def main(argv=None):
         sys.exit(f"ncu failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
     metrics, kernel = parse(res.stdout)
     rows = [dict(section=s, metric=m, value=v) for s, d in metrics.items() for m, v in d.items()]
-    save_profile(a, ["--kernel", a.kernel, *_fmt_arg(a), "--shape", *map(str, a.shape)], rows, kind="ncu", version=a.kernel,
+    save_profile(a, ["--kernel", a.kernel, *_fmt_arg(a), *_set_args(a), "--shape", *map(str, a.shape)], rows, kind="ncu", version=a.kernel,
                  fmt=a.fmt, config=repr(config), sections=list(SECTIONS), kernel=kernel)
 
 def save_profile(a, args, rows, **fields):
@@ -212,6 +223,10 @@ def _fmt_arg(a) -> list:
     "`--fmt` for a stored command, left out for int4 so that the older records' commands stay as they were."
     return [] if a.fmt == "int4" else ["--fmt", a.fmt]
 
+def _set_args(a) -> list:
+    "`--set NAME=VALUE` as given, for the child's command line and the record's."
+    return [x for s in a.sets for x in ("--set", s)]
+
 def _out_arg(out: Path) -> str:
     "The `--out` of the stored command: relative to the checkout when inside it, else `nbs/data/` and the file name."
     try:
@@ -225,7 +240,7 @@ def ncu_command(a, *options, launches=1):
     activation side's), a call being `launches` kernel launches."""
     return ["ncu", "--kernel-name", "regex:kernel_cutlass_kernel_w4a4", "--launch-skip", str(WARMUP * launches),
             "--launch-count", str(launches), *options, sys.executable, __file__, "--child", "--kernel", a.kernel, "--fmt", a.fmt,
-            "--shape", *map(str, a.shape), *["--activation"] * a.activation, *_one_pass_args(a), "--out", "-"]
+            "--shape", *map(str, a.shape), *["--activation"] * a.activation, *_one_pass_args(a), *_set_args(a), "--out", "-"]
 
 def activation_main(a):
     "`--activation`: profile one call of the activation side (every kernel it launches) and save the record."
@@ -261,7 +276,7 @@ def roles_main(a):
                              capture_output=True, text=True, check=True).stdout
     import torch
     from w4a4_book import gemm
-    spec, config = kernel_config(a.kernel, a.fmt, a.shape)
+    spec, config = kernel_config(a.kernel, a.fmt, a.shape, a.sets)
     kern, _ = gemm.build(config, gemm.example_problem(spec, *a.shape), gemm.sm_count(torch.cuda.current_device()))   # the grid that ran
     M, N, K, R = a.shape
     tiles = -(-M // kern.bm) * (N // kern.bn)
@@ -269,7 +284,7 @@ def roles_main(a):
     k_blocks = tiles * (K // kern.bk) / ctas
     roles = by_role(parse_source(src), k_blocks, ctas, kernel_roles(kern))
     rows = [dict(role=r, metric=m, value=v) for r, d in roles.items() for m, v in d.items()]
-    save_profile(a, ["--roles", "--kernel", a.kernel, *_fmt_arg(a), "--shape", *map(str, a.shape)], rows, kind="ncu-roles",
+    save_profile(a, ["--roles", "--kernel", a.kernel, *_fmt_arg(a), *_set_args(a), "--shape", *map(str, a.shape)], rows, kind="ncu-roles",
                  version=a.kernel, fmt=a.fmt, config=repr(config), k_blocks_per_cta=k_blocks, ctas=ctas)
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ from .workloads import FP8_MAX, bench_problems, kernel_unavailable
 
 # %% auto #0
 __all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'SPEEDUP_PATHS', 'SPEEDUP_BASES', 'ACTIVATION_FORMATS', 'ACTIVATION_GRID',
-           'fp8_rowwise_act', 'compile_unavailable', 'unavailable_paths', 'compiled_fp8_rowwise_act', 'compile_now',
-           'layer_paths', 'host_time', 'run_layer_bench', 'fastest_paths', 'speedup', 'layer_table', 'activation_bytes',
-           'copy_bandwidth', 'run_activation_bench', 'activation_table', 'layer_shapes', 'add_arguments',
-           'recorded_runs', 'run']
+           'STREAM_CALLS', 'fp8_rowwise_act', 'compile_unavailable', 'unavailable_paths', 'compiled_fp8_rowwise_act',
+           'compile_now', 'layer_paths', 'host_time', 'run_layer_bench', 'fastest_paths', 'speedup', 'layer_table',
+           'activation_bytes', 'copy_bandwidth', 'stream_ms', 'run_activation_bench', 'activation_table',
+           'layer_shapes', 'add_arguments', 'recorded_runs', 'run']
 
 # %% ../../nbs/09c_bench_layer.ipynb #7cb7f5b6
 LAYER_PATHS = ("torch_bf16", "torch_fp8", "torch_fp8_compiled", "w4a4", "w4a4_torch_quant", "w4a4_pg", "w4a4_pg_w4a8")
@@ -219,18 +219,34 @@ def _activation_inputs(M: int, K: int, R: int) -> tuple:
 # first pass 0.64 waves (chapter 8a's profile)
 ACTIVATION_GRID = ((2, 2), (2, 4), (4, 2), (4, 4), (6, 2), (7, 2), (8, 2), (8, 4))
 
+STREAM_CALLS = 8    # calls on distinct inputs in one graph for the stream time: the graph's launch spread over them
+
+def stream_ms(fn, inputs, iters: int, warmup: int) -> float:
+    """Milliseconds a call of `fn` takes in a stream of calls: one CUDA graph of `fn(i)` for each of `inputs`, replayed
+    from a clean L2 (`time_cuda(..., clean_l2=True)`), its median over the number of calls."""
+    t = time_cuda(lambda: [fn(i) for i in inputs], warmup=warmup, iters=iters, graph=True, clean_l2=True)
+    return t["median_ms"] / len(inputs)
+
 def _time_activation(M, K, R, fmt, cps, stages, copy, iters, warmup) -> dict:
-    "One row of `run_activation_bench`: graph and eager times of one format and grid point, its bytes and bandwidth."
+    """One row of `run_activation_bench`: graph, eager and stream times of one format and grid point, its bytes and
+    bandwidth, and the stream time of a copy of as many bytes."""
     x, smooth, ldt = _activation_inputs(M, K, R)
     splits = gemm.k_splits(-(-M // 64), K // 64, gemm.sm_count(torch.cuda.current_device()), cps)
-    call = lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt, stages=stages, ctas_per_sm=cps)
-    eager = time_cuda(call, warmup=warmup, iters=iters)
-    t = time_cuda(call, warmup=warmup, iters=iters, graph=True)
+    call = lambda x: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt, stages=stages, ctas_per_sm=cps)
+    eager = time_cuda(lambda: call(x), warmup=warmup, iters=iters)
+    t = time_cuda(lambda: call(x), warmup=warmup, iters=iters, graph=True)
     nbytes = activation_bytes(M, K, R, fmt, splits)
+    xs = [x] + [x.clone() for _ in range(STREAM_CALLS - 1)]           # each call reads its own x from HBM
+    s_ms = stream_ms(call, xs, iters, warmup)
+    del xs
+    half = lambda: torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    c_ms = stream_ms(lambda p: p[1].copy_(p[0]), [(half(), half()) for _ in range(STREAM_CALLS)], iters, warmup)
     bw = nbytes / (t["median_ms"] * 1e-3)
     return dict(method=f"activation_{fmt}", fmt=fmt, M=M, K=K, R=R, ctas_per_sm=cps, stages=stages, k_splits=splits,
                 bytes=nbytes, **t, timing="graph", eager_median_ms=eager["median_ms"], eager_p10_ms=eager["p10_ms"],
-                eager_p90_ms=eager["p90_ms"], bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy)
+                eager_p90_ms=eager["p90_ms"], bandwidth=bw, copy_bandwidth=copy, of_copy=bw / copy,
+                stream_calls=STREAM_CALLS, stream_ms=s_ms, stream_of_copy=nbytes / (s_ms * 1e-3) / copy,
+                copy_stream_ms=c_ms, copy_stream_of_copy=nbytes / (c_ms * 1e-3) / copy)
 
 def run_activation_bench(shapes, R: int = 32, fmts=ACTIVATION_FORMATS, iters: int = 50, warmup: int = 10, quiet: bool = False,
                          grid=((gemm.ACT_CTAS_PER_SM, gemm.ACT_STAGES),)) -> list:
@@ -243,7 +259,9 @@ def run_activation_bench(shapes, R: int = 32, fmts=ACTIVATION_FORMATS, iters: in
         r = _time_activation(M, K, R, fmt, cps, stages, copy, iters, warmup)
         rows.append(r)
         if not quiet: print(f"{M}x{K} R={R} {fmt} ctas/SM {cps} stages {stages}: {r['median_ms'] * 1e3:.1f} us (graph), "
-                            f"{r['eager_median_ms'] * 1e3:.1f} us eager, {r['bandwidth'] / 1e12:.2f} TB/s = {r['of_copy']:.0%} of copy", flush=True)
+                            f"{r['eager_median_ms'] * 1e3:.1f} us eager, {r['bandwidth'] / 1e12:.2f} TB/s = {r['of_copy']:.0%} of copy; "
+                            f"in a stream {r['stream_ms'] * 1e3:.1f} us = {r['stream_of_copy']:.0%} of copy (a copy of as many bytes "
+                            f"{r['copy_stream_of_copy']:.0%})", flush=True)
     return rows
 
 def activation_table(rows: list) -> str:
@@ -252,7 +270,10 @@ def activation_table(rows: list) -> str:
                             **({"CTAs/SM": r["ctas_per_sm"], "stages": r["stages"]} if "ctas_per_sm" in r else {}),
                             "MB moved": f"{r['bytes'] / 1e6:.1f}", "µs": f"{r['median_ms'] * 1e3:.1f}",
                             "eager µs": "—" if r.get("eager_median_ms") is None else f"{r['eager_median_ms'] * 1e3:.1f}",
-                            "TB/s": f"{r['bandwidth'] / 1e12:.2f}", "of copy": f"{r['of_copy']:.0%}"} for r in rows])
+                            "TB/s": f"{r['bandwidth'] / 1e12:.2f}", "of copy": f"{r['of_copy']:.0%}",
+                            **({"stream µs": f"{r['stream_ms'] * 1e3:.1f}", "stream, of copy": f"{r['stream_of_copy']:.0%}",
+                                "copy of as many bytes, of copy": f"{r['copy_stream_of_copy']:.0%}"} if "stream_ms" in r else {})}
+                           for r in rows])
 
 # %% ../../nbs/09c_bench_layer.ipynb #1c0d0e0d
 def layer_shapes(which: str = "all") -> list:

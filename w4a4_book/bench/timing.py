@@ -103,11 +103,13 @@ def cuda_graph(fn: Callable[[], object]) -> Callable[[], None]:
     return g.replay
 
 def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50, flush_l2: bool = True,
-              graph: bool = False) -> dict:
+              graph: bool = False, clean_l2: bool = False) -> dict:
     """Time `fn()` on the current CUDA device: an event pair per call, L2 flushed before each, outside the interval.
     With `graph`, `fn` is captured once (`cuda_graph`) and each timed call is one replay: the GPU time without
-    the host's per-call work."""
+    the host's per-call work. With `clean_l2`, the flush is read back after it is zeroed, so that the lines it left
+    dirty in L2 are written to HBM before the start event instead of by `fn` inside the interval."""
     check_timing(iters, warmup)
+    if clean_l2 and not flush_l2: raise ValueError("clean_l2 needs flush_l2: it cleans the flush's own lines")
     require_cuda("time_cuda")
     for _ in range(warmup):
         fn()
@@ -124,6 +126,7 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50, fl
     for start, end in zip(starts, ends):
         if flush is not None:
             flush.zero_()
+            if clean_l2: flush.sum()                 # reads 5x the L2: every dirty line is evicted, written back now
         start.record()
         fn()
         end.record()

@@ -1,0 +1,55 @@
+"""Time the int4_pg GEMM alone (CUDA-graph replays, L2 flushed) on the stream-K schedule (`smem.HopperPgStreamKConfig`)
+against the 256-row whole-tile kernel it cuts up and the library's default tile, in one run, and check the stream-K
+output equals the 256-row kernel's bit for bit. The last shape is a control: its 264 tiles of 256 rows are two whole
+rounds of 132 CTAs, so stream-K keeps every tile whole there and should time as the 256-row kernel does.
+
+    python tools/stream_k_gemm.py --out nbs/data/stream_k_gemm_h200.json
+"""
+import sys
+
+import record_cli
+
+OPTIONS = dict(rank=32, iters=30)
+SHAPES = ((4352, 3072, 3840), (4352, 3072, 10240), (4352, 3840, 15360), (3072, 2816, 3840))   # M, N, K
+
+
+def configs(M, N, K, R):
+    "`{name: config}` of the three kernels timed at one shape."
+    from w4a4_book import gemm, smem
+    lib = gemm.default_config("int4_pg", problem=gemm.example_problem(gemm.find_kernel(None, "int4_pg"), M, N, K, R))
+    return dict(w4a4_pg=lib, w4a4_pg_256=smem.HopperPgConfig(tile_m=256, epi_vectors="smem"),
+                w4a4_pg_sk=smem.HopperPgStreamKConfig())
+
+
+def main(argv=None):
+    "Measure, print and save the record."
+    a = record_cli.parse(__doc__, argv, **OPTIONS)
+    import torch
+    from w4a4_book import gemm
+    from w4a4_book.bench.timing import time_cuda, tflops
+    from w4a4_book.bench.workloads import make_workload
+    from w4a4_book.records import provenance, save_record
+    rows = []
+    for M, N, K in SHAPES:
+        w = make_workload(M, N, K, a.rank, fmt="int4_pg")
+        outs = {}
+        for name, config in configs(M, N, K, a.rank).items():
+            launch, out = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=config)
+            launch()
+            torch.cuda.synchronize()
+            outs[name] = out.clone()
+            t = time_cuda(launch, warmup=10, iters=a.iters, graph=True)
+            rows.append(dict(method=name, M=M, N=N, K=K, R=a.rank, config=repr(config), **t,
+                             tflops=tflops(M, N, K, t["median_ms"]), timing="graph"))
+            print(f"{M}x{N}x{K} {name}: {t['median_ms'] * 1e3:.1f} us, {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
+        same = bool(torch.equal(outs["w4a4_pg_sk"], outs["w4a4_pg_256"]))
+        for r in rows[-3:]:
+            r["sk_equals_256"] = same
+        print(f"{M}x{N}x{K}: stream-K output equals the 256-row kernel's: {same}", flush=True)
+    command = record_cli.command("stream_k_gemm.py", a, **OPTIONS)
+    prov = provenance(command, [list(s) for s in SHAPES], kind="gemm_stream_k", rank=a.rank, timing="cuda_graph", fmt="int4_pg")
+    print(f"saved {save_record(a.out, prov, rows)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
