@@ -136,17 +136,34 @@ def test_int8_lanes_exact_against_quantize(fmt, M, K, R, dt, smooth):
     check_int8_lanes(act.data, act.base, lora_act, x, lam, down, fmt)
 
 
+@pytest.mark.gpu
+def test_int4_pg_exact_where_u_is_divided():
+    """int4_pg on the layer's shape, with groups whose `q = (amax / 7) / base` lies within `FAST_U_MARGIN` of a half
+    (the second pass divides there, `group_u`) and groups past it (it multiplies): bit for bit `quantize`'s codes."""
+    from w4a4_book.kernels.sm90_quant import FAST_U_MARGIN
+    x, lam, down = int8_lane_case(4352, 3840, 32, torch.bfloat16, True, 2)
+    act, lora_act = gemm.quantize_lora_down(x, lam, down.T.contiguous(), fmt="int4_pg")
+    xs = x.float() * reciprocal(lam.float())
+    amax = xs.abs().view(4352, -1, G).amax(-1)
+    q = (amax / 7) / act.base[:, None].clamp_min(torch.finfo(torch.float32).tiny)
+    divided = ((q - q.round()).abs() > 0.5 - FAST_U_MARGIN).sum().item()
+    assert 0 < divided < q.numel(), divided
+    check_int8_lanes(act.data, act.base, lora_act, x, lam, down, "int4_pg")
+
+
 @pytest.mark.parametrize("mode", ["pg_rowmax", "int4_pg", "int8"])
 def test_int8_lane_passes_compile_with_exact_arithmetic(mode):
     "The first pass (QuantLoraDown, pg_rowmax) and the second (RowCodes, per format): exact rounding, 16-byte loads."
     ptx, _ = gemm.compile_quant(M=300, K=1024, R=32, mode=mode)
     assert not re.search(r"div\.approx", ptx)
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == (4 if mode == "pg_rowmax" else 0)   # the LoRA product rides the first pass
-    # one conversion, of u, per trip of `unroll` vectors (one lane of a group's eight computes each scale); values round in float32
+    # int4_pg: u by two multiplies and ROUNDER a trip (one lane of a group's eight computes each), the divisions and their one
+    # conversion only on the branch near a half (group_u); values round in float32
     assert len(re.findall(r"cvt\.rni\.s32\.f32", ptx)) == {"pg_rowmax": 0, "int4_pg": 1, "int8": 0}[mode]
-    assert len(re.findall(r"div\.rn\.f32", ptx)) == {"pg_rowmax": 0, "int4_pg": 5, "int8": 2}[mode]   # row_base, group_scale: once
+    # row_base (2 or 1), row_scales' 1/base and 1/(base·u) (one for int8, the same), group_u's branch (2)
+    assert len(re.findall(r"div\.rn\.f32", ptx)) == {"pg_rowmax": 0, "int4_pg": 6, "int8": 2}[mode]
     if mode != "pg_rowmax":    # per value: v·r + ROUNDER, and q·u from its bits by one mul.lo (int4_pg) or none; per four values: three prmt
-        assert len(re.findall(r"0f4B400000", ptx)) == VEC * RowCodes.unroll
+        assert len(re.findall(r"0f4B400000", ptx)) == VEC * RowCodes.unroll + (mode == "int4_pg")   # + group_u's rounding
         assert len(re.findall(r"mul\.lo\.s32", ptx)) == (VEC * RowCodes.unroll if mode == "int4_pg" else 0) + 2   # + a piece's trips
         assert len(re.findall(r"prmt\.b32", ptx)) == 3 * VEC // 4 * RowCodes.unroll
     # x from shared memory in four 16-byte loads and 1/smooth in eight, the share's 1/smooth staged there in one global

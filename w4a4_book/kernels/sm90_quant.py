@@ -4,9 +4,10 @@
 
 # %% auto #0
 __all__ = ['G', 'INT4_MIN', 'INT4_MAX', 'MAX_RANK', 'PG_U_MIN', 'PG_U_MAX', 'INT8_MAX', 'FLOAT32_MAX', 'VEC', 'ROUNDER',
-           'copy_16b', 'div_rn', 'mul_rn', 'recip_or_zero', 'f32_bits', 'pack4_bytes', 'round_even_i32', 'smooth_amax',
-           'max_tree', 'QuantLoads', 'QuantOutputs', 'QuantLoraDown', 'row_base', 'group_scale', 'pack_int8',
-           'RowCodes', 'st_cluster_f32', 'cluster_sync']
+           'FAST_U_BASES', 'FAST_U_MARGIN', 'RECIP_7', 'copy_16b', 'div_rn', 'mul_rn', 'recip_or_zero', 'f32_bits',
+           'pack4_bytes', 'round_even_i32', 'smooth_amax', 'max_tree', 'QuantLoads', 'QuantOutputs', 'QuantLoraDown',
+           'row_base', 'group_scale', 'row_scales', 'group_u', 'pack_int8', 'RowCodes', 'st_cluster_f32',
+           'cluster_sync']
 
 # %% ../../nbs/08a_quant.ipynb #4256630b
 from typing import NamedTuple
@@ -431,6 +432,38 @@ def group_scale(amax, base, pg: cutlass.Constexpr):
             u = cutlass.max(cutlass.min(round_even_i32(div_rn(s, base)), cutlass.Int32(PG_U_MAX)), cutlass.Int32(PG_U_MIN))
     return u, recip_or_zero(mul_rn(base, u.to(cutlass.Float32)) if pg else base)
 
+FAST_U_BASES = (2.0 ** -100, 2.0 ** 100)   # bases for which `group_u` multiplies: 1/base and every product stay normal
+FAST_U_MARGIN = 2.0 ** -14                 # how far from every n + 1/2 the multiplied q must be (its error is under 2^-17)
+RECIP_7 = 1.0 / INT4_MAX                   # float32(1/7) is this double rounded once more: the error bound allows it
+
+@cute.jit
+def row_scales(base, lane, pg: cutlass.Constexpr):
+    """Once a row, in every lane: `(rbase, margin, r_tab)` for `group_u` and the reciprocal scales: `1/base` correctly
+    rounded, the margin `group_u` needs (`FAST_U_MARGIN`, or 1, which sends every group to the divisions, for a base
+    outside `FAST_U_BASES`), and in lane j `recip_or_zero(base · (j + 1))`, the `1/scale` of u = j + 1 as
+    `group_scale` computes it (lanes past 14 hold that of 15; int8: `1/base` in every lane)."""
+    margin = cutlass.Float32(1.0)
+    if base >= cutlass.Float32(FAST_U_BASES[0]):
+        if base <= cutlass.Float32(FAST_U_BASES[1]):
+            margin = cutlass.Float32(FAST_U_MARGIN)
+    u = cutlass.min(lane + 1, cutlass.Int32(PG_U_MAX))
+    return recip_or_zero(base), margin, recip_or_zero(mul_rn(base, u.to(cutlass.Float32)) if pg else base)
+
+@cute.jit
+def group_u(amax, base, rbase, margin):
+    """int4_pg: a group's `u` as `group_scale` divides it, `clamp(round((amax / 7) / base), 1, 15)`, but with two
+    multiplies: `q = min((amax · RECIP_7) · rbase, 16)`. NOTES: each of the four roundings (1/7, the product, 1/base,
+    the product) is within 2^-24 of the exact value, so q is within 6·2^-24·16 = 6·2^-20 (under 2^-17) of the divided q below 16, and
+    both are at least 15.5 from 16 on; where q is more than `margin` (2^-14) from every n + 1/2, both round to the same
+    integer. Nearer a half, and in rows `row_scales` marks (margin 1), the divisions decide, as `group_scale`."""
+    q = cutlass.min(mul_rn(mul_rn(amax, cutlass.Float32(RECIP_7)), rbase), cutlass.Float32(16.0))
+    t = q + cutlass.Float32(ROUNDER)                      # round(q) to even in the low bits (q < 2^22)
+    near = q - (t - cutlass.Float32(ROUNDER))             # exact: q minus the integer it rounds to, in [-1/2, 1/2]
+    u = cutlass.max(cutlass.min(f32_bits(t) - cutlass.Int32(0x4B400000), cutlass.Int32(PG_U_MAX)), cutlass.Int32(PG_U_MIN))
+    if cute.arch.fmax(near, -near) > cutlass.Float32(0.5) - margin:
+        u, _ = group_scale(amax, base, True)
+    return u
+
 @cute.jit
 def pack_int8(xs, r, u, words, pg: cutlass.Constexpr):
     """`xs` as int8 `q·u`, four to each word of `words`: `q = clamp(round(v · r))` to [-8, 7] (int4_pg) or [-127, 127]
@@ -525,6 +558,7 @@ class RowCodes:
             xr = self.load_x(mX, row, (t1 - 1) * 32 * U + lane, vpr, 0)
             cute.arch.griddepcontrol_wait()                           # the first pass's row maxima are final
             base = self.shares_base(mRowmax, row, lane)
+            rbase, margin, r_tab = row_scales(base, lane, self.pg)     # once a row: group_u's and the 1/scale of each u
             if piece == 0 and lane == 0:
                 mBase[row] = base
             for i in cutlass.range(t1 - t0, unroll=1):
@@ -535,11 +569,13 @@ class RowCodes:
                 for u in cutlass.range_constexpr(1, U):
                     if (lane % 8) % U == u:
                         mine = amax[u]
-                q_u, r = group_scale(mine, base, self.pg)
+                q_u = group_u(mine, base, rbase, margin) if self.pg else cutlass.Int32(1)
                 for u in cutlass.range_constexpr(U):
                     src = (lane // 8) * 8 + u                         # the lane of this group that computed vector u's
-                    q_u_u = cute.arch.shuffle_sync(q_u, src)
-                    r_u = cute.arch.shuffle_sync(r, src)
+                    q_u_u, r_u = cutlass.Int32(1), r_tab              # int8: u = 1, 1/base
+                    if cutlass.const_expr(self.pg):
+                        q_u_u = cute.arch.shuffle_sync(q_u, src)
+                        r_u = cute.arch.shuffle_sync(r_tab, q_u_u - 1)    # lane u - 1 holds 1/(base · u)
                     col = col0 + u * 32
                     if col < vpr:                                     # a group is wholly in range or wholly out
                         words = cute.make_rmem_tensor((VEC // 4,), cutlass.Int32)
