@@ -290,7 +290,7 @@ def add_arguments(p) -> None:
     p.add_argument("--iters", type=int, default=50, help="timed calls per layer and method (default 50)")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays: GPU time without the per-call host work")
     p.add_argument("--activation", action="store_true",
-                   help="time the activation kernel alone, per format (CUDA-graph replays, and eager beside), against the copy bandwidth")
+                   help="time the activation kernel alone, per format (CUDA-graph replays, eager beside, and in a stream of calls), against the copy bandwidth")
     p.add_argument("--grid", action="store_true",
                    help="with --activation: every (CTAs per SM, ring stages) of ACTIVATION_GRID, the measurement the defaults come from")
     p.add_argument("--out", default=None, help="record path (default: nbs/data/layer_<gpu>.json, layer_<gpu>_graph.json, activation_<gpu>.json or activation_grid_<gpu>.json)")
