@@ -1,6 +1,6 @@
 """Time the int4_pg GEMM alone (CUDA-graph replays, L2 flushed) on the stream-K schedule (`smem.HopperPgStreamKConfig`)
-against the 256-row whole-tile kernel it cuts up and the library's default tile, in one run, and check the stream-K
-output equals the 256-row kernel's bit for bit. The last shape is a control: its 264 tiles of 256 rows are two whole
+against the 256-row whole-tile kernel it cuts up and the library's default tile, and on the library's tile too, in one
+run, and check each stream-K output equals its whole-tile kernel's bit for bit. The last shape is a control: its 264 tiles of 256 rows are two whole
 rounds of 132 CTAs, so stream-K keeps every tile whole there and should time as the 256-row kernel does.
 
     python tools/stream_k_gemm.py --out nbs/data/stream_k_gemm_h200.json
@@ -14,11 +14,13 @@ SHAPES = ((4352, 3072, 3840), (4352, 3072, 10240), (4352, 3840, 15360), (3072, 2
 
 
 def configs(M, N, K, R):
-    "`{name: config}` of the three kernels timed at one shape."
+    """`{name: config}` of the kernels timed at one shape: the library's tile, the 256-row one, and stream-K on each
+    (`w4a4_pg_sk` on the 256-row tile, `w4a4_pg_sk_lib` on the library's)."""
     from w4a4_book import gemm, smem
     lib = gemm.default_config("int4_pg", problem=gemm.example_problem(gemm.find_kernel(None, "int4_pg"), M, N, K, R))
+    same = dict(tile_m=lib.tile_m, epi_stages=lib.epi_stages, epi_vectors=lib.epi_vectors)
     return dict(w4a4_pg=lib, w4a4_pg_256=smem.HopperPgConfig(tile_m=256, epi_vectors="smem"),
-                w4a4_pg_sk=smem.HopperPgStreamKConfig())
+                w4a4_pg_sk=smem.HopperPgStreamKConfig(), w4a4_pg_sk_lib=smem.HopperPgStreamKConfig(**same))
 
 
 def main(argv=None):
@@ -43,9 +45,10 @@ def main(argv=None):
                              tflops=tflops(M, N, K, t["median_ms"]), timing="graph"))
             print(f"{M}x{N}x{K} {name}: {t['median_ms'] * 1e3:.1f} us, {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
         same = bool(torch.equal(outs["w4a4_pg_sk"], outs["w4a4_pg_256"]))
-        for r in rows[-3:]:
-            r["sk_equals_256"] = same
-        print(f"{M}x{N}x{K}: stream-K output equals the 256-row kernel's: {same}", flush=True)
+        same_lib = bool(torch.equal(outs["w4a4_pg_sk_lib"], outs["w4a4_pg"]))
+        for r in rows[-len(outs):]:
+            r.update(sk_equals_256=same, sk_lib_equals_lib=same_lib)
+        print(f"{M}x{N}x{K}: stream-K output equals its whole-tile kernel's: 256 rows {same}, the library's tile {same_lib}", flush=True)
     command = record_cli.command("stream_k_gemm.py", a, **OPTIONS)
     prov = provenance(command, [list(s) for s in SHAPES], kind="gemm_stream_k", rank=a.rank, timing="cuda_graph", fmt="int4_pg")
     print(f"saved {save_record(a.out, prov, rows)}")
