@@ -6,7 +6,7 @@ from w4a4_book import gemm, smem
 from w4a4_book.formats import quantize
 from w4a4_book.operands import Problem
 from w4a4_book.reference import w4a4_gemm_exact
-from w4a4_book.smem import HopperPgConfig, HopperPgSmemConfig, HopperPgStreamKConfig, HopperPgV1Config
+from w4a4_book.smem import HopperPgConfig, HopperPgSmemConfig, HopperPgSplitTailConfig, HopperPgStreamKConfig, HopperPgV1Config
 
 
 def pg_problem(M, N, K, R=32, out_dtype=torch.bfloat16):
@@ -278,15 +278,16 @@ SK_GRID = [  # M, N, K, R: 256-row tiles on 132 CTAs; whole rounds, a cut last r
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", [HopperPgStreamKConfig, HopperPgSplitTailConfig])
 @pytest.mark.parametrize("M, N, K, R", SK_GRID)
-def test_stream_k_equals_whole_tiles(M, N, K, R):
+def test_stream_k_equals_whole_tiles(M, N, K, R, schedule):
     """The stream-K kernel's output is the whole-tile kernel's (256-row tiles) bit for bit, on the first call, a
     second one (its flags were reset) and three CUDA-graph replays."""
     from w4a4_book.bench.timing import cuda_graph
     case = make_pg_case(M, N, K, R, seed=M + N + K)
     want = gemm.gemm_w4a4(*case, config=HopperPgConfig(tile_m=256, epi_vectors="smem"))
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    run = lambda: gemm.gemm_w4a4(*case, config=HopperPgStreamKConfig(), out=out)
+    run = lambda: gemm.gemm_w4a4(*case, config=schedule(), out=out)
     for _ in range(2):
         out.fill_(float("nan"))
         run()

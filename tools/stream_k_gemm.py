@@ -20,7 +20,8 @@ def configs(M, N, K, R):
     lib = gemm.default_config("int4_pg", problem=gemm.example_problem(gemm.find_kernel(None, "int4_pg"), M, N, K, R))
     same = dict(tile_m=lib.tile_m, epi_stages=lib.epi_stages, epi_vectors=lib.epi_vectors)
     return dict(w4a4_pg=lib, w4a4_pg_256=smem.HopperPgConfig(tile_m=256, epi_vectors="smem"),
-                w4a4_pg_sk=smem.HopperPgStreamKConfig(), w4a4_pg_sk_lib=smem.HopperPgStreamKConfig(**same))
+                w4a4_pg_sk=smem.HopperPgStreamKConfig(), w4a4_pg_sk_lib=smem.HopperPgStreamKConfig(**same),
+                w4a4_pg_st=smem.HopperPgSplitTailConfig())
 
 
 def main(argv=None):
@@ -46,9 +47,11 @@ def main(argv=None):
             print(f"{M}x{N}x{K} {name}: {t['median_ms'] * 1e3:.1f} us, {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
         same = bool(torch.equal(outs["w4a4_pg_sk"], outs["w4a4_pg_256"]))
         same_lib = bool(torch.equal(outs["w4a4_pg_sk_lib"], outs["w4a4_pg"]))
+        same_st = bool(torch.equal(outs["w4a4_pg_st"], outs["w4a4_pg_256"]))
         for r in rows[-len(outs):]:
-            r.update(sk_equals_256=same, sk_lib_equals_lib=same_lib)
-        print(f"{M}x{N}x{K}: stream-K output equals its whole-tile kernel's: 256 rows {same}, the library's tile {same_lib}", flush=True)
+            r.update(sk_equals_256=same, sk_lib_equals_lib=same_lib, st_equals_256=same_st)
+        print(f"{M}x{N}x{K}: stream-K output equals its whole-tile kernel's: 256 rows {same}, the library's tile {same_lib}, "
+              f"tail split {same_st}", flush=True)
     command = record_cli.command("stream_k_gemm.py", a, **OPTIONS)
     prov = provenance(command, [list(s) for s in SHAPES], kind="gemm_stream_k", rank=a.rank, timing="cuda_graph", fmt="int4_pg")
     print(f"saved {save_record(a.out, prov, rows)}")

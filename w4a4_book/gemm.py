@@ -81,6 +81,8 @@ register(KernelSpec("sm_90a", "v2", "int4_pg", "smem", smem.HopperPgSmemConfig, 
 register(KernelSpec("sm_90a", "v2sk", "int4_pg", "rs", smem.HopperPgStreamKConfig, "w4a4_book.kernels.sm90_pg",
                     "W4A4GemmPgStreamK", "the register decode on a stream-K schedule, cut tiles fixed up in global memory "
                     "(chapter 5b; opt-in: exact on the H200, not yet faster)"))
+register(KernelSpec("sm_90a", "v2st", "int4_pg", "rs", smem.HopperPgSplitTailConfig, "w4a4_book.kernels.sm90_pg",
+                    "W4A4GemmPgSplitTail", "the stream-K kernel on the tail split: whole rounds, the last round's tiles cut along K (branch exp/split-tail)"))
 register(KernelSpec("sm_100a", "v1", "nvfp4", "block_scaled", smem.Sm100V1Config, "w4a4_book.kernels.sm100_v1",
                     "W4A4GemmSm100V1", "sm_100 v1 and the naive pair (--cta-group 2): tcgen05 block-scaled NVFP4 MMA "
                     "(chapter 10a; compiled and checked, never run: opt-in, never a default)"))

@@ -8,9 +8,9 @@ __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALI
            'PROMOTIONS', 'ABLATIONS', 'FAMILIES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS', 'ArchFacts', 'Term',
            'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms', 'HopperV2Config',
            'hopper_v2_terms', 'HopperPgConfig', 'lora_chunk_of', 'hopper_pg_terms', 'HopperPgSmemConfig',
-           'HopperPgV1Config', 'HopperPgStreamKConfig', 'hopper_pg_smem_terms', 'blackwell_orig_terms', 'Family',
-           'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms', 'check_config',
-           'Budget', 'solve', 'explain']
+           'HopperPgV1Config', 'HopperPgStreamKConfig', 'HopperPgSplitTailConfig', 'hopper_pg_smem_terms',
+           'blackwell_orig_terms', 'Family', 'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms', 'Sm100V2Config',
+           'sm100_v2_terms', 'check_config', 'Budget', 'solve', 'explain']
 
 # %% ../nbs/03_smem.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -295,6 +295,13 @@ class HopperPgStreamKConfig(HopperPgConfig):
     family: ClassVar[str] = "hopper_pg_sk"
     kernel: ClassVar[str] = "v2sk"
 
+@dataclass(frozen=True)
+class HopperPgSplitTailConfig(HopperPgStreamKConfig):
+    """The stream-K kernel on the tail split (`sm90_parts.SplitTail`): every full round of whole tiles, the last
+    round's tiles cut along K in pieces; the stream-K kernel's shared memory, field for field."""
+    family: ClassVar[str] = "hopper_pg_st"
+    kernel: ClassVar[str] = "v2st"
+
 def hopper_pg_smem_terms(cfg: HopperPgSmemConfig, stages: dict, accounting: str) -> list:
     "The register-decode layout plus the decoded ring: its barriers and `decode_stages` int8 weight tiles."
     D = stages["decode"]
@@ -444,6 +451,8 @@ FAMILIES = {
                              given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
     HopperPgStreamKConfig: Family(hopper_pg_terms, _check_hopper_pg_sk, archs=("sm_90",), fmt="int4_pg", min_stages=2,
                                   given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
+    HopperPgSplitTailConfig: Family(hopper_pg_terms, _check_hopper_pg_sk, archs=("sm_90",), fmt="int4_pg", min_stages=2,
+                                    given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
     HopperPgSmemConfig: Family(hopper_pg_smem_terms, _check_hopper_pg_smem, archs=("sm_90",), fmt="int4_pg",
                                given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
     BlackwellOrigConfig: Family(blackwell_orig_terms, _check_blackwell_orig, archs=("sm_100",), fmt="nvfp4", fill="epi",

@@ -8,7 +8,7 @@ __all__ = ['TILE_N', 'TILE_K', 'WORDS_W', 'WORDS_U', 'SIGN_SEL', 'TABLE_WORDS', 
            'prepack_weights', 'prmt_ref', 'decode_word_ref', 'PgTensors', 'pg_arguments', 'sk_arguments', 'pg_tensors',
            'sk_tensors', 'PgLoads', 'PgLayouts', 'W4A4GemmPg', 'PgMmas', 'PgVectors', 'PgCta', 'PgTileCopies', 'prmt',
            'fence_operand', 'lookup_row', 'decode_word', 'PgDecodeViews', 'EpiReads', 'W4A4GemmPgSmem', 'W4A4GemmPgV1',
-           'pg_sk_arguments', 'pg_sk_tensors', 'W4A4GemmPgStreamK']
+           'pg_sk_arguments', 'pg_sk_tensors', 'W4A4GemmPgStreamK', 'W4A4GemmPgSplitTail']
 
 # %% ../../nbs/05b_pg.ipynb #bf3d93c4
 import dataclasses
@@ -32,7 +32,7 @@ import w4a4_book.operands as operands
 import w4a4_book.smem as smem
 import w4a4_book.kernels.sm90_parts as parts
 from .sm90_parts import (
-    NamedBarrier, PersistentRaster, SK_FINISH, SK_FULL, SK_PARTIAL, StreamK, WarpRoles, arrive_release_gpu, fence_gpu,
+    NamedBarrier, PersistentRaster, SK_FINISH, SK_FULL, SK_PARTIAL, SplitTail, StreamK, WarpRoles, arrive_release_gpu, fence_gpu,
     kernel_bundle, load_relaxed_gpu, nanosleep, store_relaxed_gpu, tma_split)
 
 # %% ../../nbs/05b_pg.ipynb #58a06bc0
@@ -1059,8 +1059,9 @@ class W4A4GemmPgStreamK(W4A4GemmPg):
         if role == SK_PARTIAL:
             self.store_partial(vecs, acc, cta.cluster_id, t, wgi)
         else:
-            if role == SK_FINISH:
-                self.add_partial(vecs, acc, cta.cluster_id + 1, t, wgi)
+            if role == SK_FINISH:                              # the tile's other runs are the next clusters'
+                for j in cutlass.range(1, cta.sched.pieces(cta.n_clusters), unroll=1):
+                    self.add_partial(vecs, acc, cta.cluster_id + j, t, wgi)
             lcons = self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, pre, t, wgi, m, n, M)
         return lcons
 
@@ -1100,3 +1101,11 @@ class W4A4GemmPgStreamK(W4A4GemmPg):
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = acc[i] + load_relaxed_gpu(base + i * 512)
 
+
+# %% ../../nbs/05b_pg.ipynb #e72000b2
+class W4A4GemmPgSplitTail(W4A4GemmPgStreamK):
+    "The stream-K kernel on the tail split (`sm90_parts.SplitTail`): whole rounds, then the last round's tiles cut along K."
+    name = "sm90 v2 int4_pg tail split"
+
+    def __init__(self, budget, problem, num_sms, scheduler=SplitTail):
+        super().__init__(budget, problem, num_sms, scheduler)
