@@ -10,8 +10,8 @@ __all__ = ['CUTE_DTYPES', 'HIGH_NIBBLES', 'DECODE_SCALE', 'SK_FULL', 'SK_FINISH'
            'check_term', 'WarpRoles', 'raster', 'PersistentRaster', 'stream_k_plan', 'stream_k_split', 'stream_k_run',
            'stream_k_count', 'stream_k_unit', 'StreamK', 'split_tail_pieces', 'split_tail_count', 'split_tail_unit',
            'split_tail_plan', 'SplitTail', 'fence_gpu', 'arrive_release_gpu', 'load_relaxed_gpu', 'store_relaxed_gpu',
-           'nanosleep', 'fma_f32', 'pinned_i32', 'int4_arguments', 'padded_rows', 'placeholder', 'int4_tensors', 'Mmas',
-           'Int4Layouts', 'Int4GemmBase']
+           'load_v4_relaxed_gpu', 'store_v4_gpu', 'nanosleep', 'fma_f32', 'pinned_i32', 'int4_arguments', 'padded_rows',
+           'placeholder', 'int4_tensors', 'Mmas', 'Int4Layouts', 'Int4GemmBase']
 
 # %% ../../nbs/03a_sm90_parts.ipynb #b46235d1
 import enum
@@ -415,7 +415,7 @@ class StreamK(PersistentRaster):
         return m, n, k0, k1 - k0, role
 
 
-# %% ../../nbs/03a_sm90_parts.ipynb #de75ac45
+# %% ../../nbs/03a_sm90_parts.ipynb #8cf0ae6e
 SPLIT_TAIL_PIECES = 4   # the most pieces a tail tile is cut in: its finisher reads the others' partials one after another
 
 def split_tail_pieces(tiles, clusters, k_tiles, max_pieces=SPLIT_TAIL_PIECES, minimum=min, maximum=max):
@@ -490,6 +490,19 @@ def load_relaxed_gpu(addr, *, loc=None, ip=None):
 def store_relaxed_gpu(addr, value, *, loc=None, ip=None):
     "Store int32 `value` at global `addr` at GPU scope (`st.relaxed.gpu`)."
     _asm(None, "st.relaxed.gpu.global.s32 [$0], $1;", "l,r", cutlass.Int64(addr), cutlass.Int32(value), loc=loc, ip=ip)
+
+@dsl_user_op
+def load_v4_relaxed_gpu(addr, *, loc=None, ip=None):
+    "The four int32 at 16-byte aligned global `addr`, read at GPU scope (`ld.relaxed.gpu.v4`)."
+    ty = llvm.StructType.get_literal([T.i32()] * 4)
+    r = _asm(ty, "ld.relaxed.gpu.global.v4.s32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", cutlass.Int64(addr), loc=loc, ip=ip)
+    return [cutlass.Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+
+@dsl_user_op
+def store_v4_gpu(addr, a, b, c, d, *, loc=None, ip=None):
+    "Store four int32 at 16-byte aligned global `addr` (`st.global.v4`, a weak store: a release orders it)."
+    _asm(None, "st.global.v4.s32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", cutlass.Int64(addr),
+         *(cutlass.Int32(v) for v in (a, b, c, d)), loc=loc, ip=ip)
 
 @dsl_user_op
 def nanosleep(ns: int, *, loc=None, ip=None):

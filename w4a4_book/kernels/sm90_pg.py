@@ -33,7 +33,7 @@ import w4a4_book.smem as smem
 import w4a4_book.kernels.sm90_parts as parts
 from .sm90_parts import (
     NamedBarrier, PersistentRaster, SK_FINISH, SK_FULL, SK_PARTIAL, SplitTail, StreamK, WarpRoles, arrive_release_gpu, fence_gpu,
-    kernel_bundle, load_relaxed_gpu, nanosleep, store_relaxed_gpu, tma_split)
+    kernel_bundle, load_relaxed_gpu, load_v4_relaxed_gpu, nanosleep, store_relaxed_gpu, store_v4_gpu, tma_split)
 
 # %% ../../nbs/05b_pg.ipynb #58a06bc0
 TILE_N, TILE_K = 128, 128            # one packed block: 128 weight rows (two MMA warpgroups) × 128 K
@@ -1069,16 +1069,16 @@ class W4A4GemmPgStreamK(W4A4GemmPg):
         "The global address of warpgroup `wgi`'s flag of partial slot `slot`."
         return vecs.flags.iterator.toint() + cutlass.Int64(slot * 2 + wgi) * 4
 
-    def partial_word(self, acc, slot, t, wgi):
-        "Thread `t` of warpgroup `wgi`: the word of slot `slot` that holds its first accumulator (its `i`-th is `i·128` words on)."
-        return slot * SK_WORDS + wgi * cute.size(acc) * 128 + t
+    def partial_addr(self, vecs, acc, slot, t, wgi):
+        "Where thread `t` of warpgroup `wgi` keeps its accumulators `4i..4i+3` in slot `slot`: 16 bytes at `(i·128 + t)·16` on (a warp's 512 bytes in a row)."
+        return vecs.partials.iterator.toint() + cutlass.Int64(slot * SK_WORDS + wgi * cute.size(acc) * 128 + t * 4) * 4
 
     @cute.jit
     def store_partial(self, vecs, acc, slot, t, wgi):
-        "Thread `t`'s accumulators into slot `slot`, word `i` of it at `i·128 + t` (coalesced); then the warpgroup's flag, released."
-        base = self.partial_word(acc, slot, t, wgi)
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            vecs.partials[base + i * 128] = acc[i]
+        "Thread `t`'s accumulators into slot `slot`, four words a store (`partial_addr`); then the warpgroup's flag, released."
+        base = self.partial_addr(vecs, acc, slot, t, wgi)
+        for i in cutlass.range_constexpr(cute.size(acc) // 4):
+            store_v4_gpu(base + i * 2048, acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3])
         cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
         if t == 0:
             fence_gpu()                                    # the warpgroup's stores, seen through the barrier, before the flag
@@ -1097,12 +1097,14 @@ class W4A4GemmPgStreamK(W4A4GemmPg):
             store_relaxed_gpu(addr, 0)                     # the next launch's run starts from zero
         cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
         fence_gpu()
-        base = vecs.partials.iterator.toint() + cutlass.Int64(self.partial_word(acc, slot, t, wgi)) * 4
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = acc[i] + load_relaxed_gpu(base + i * 512)
+        base = self.partial_addr(vecs, acc, slot, t, wgi)
+        for i in cutlass.range_constexpr(cute.size(acc) // 4):
+            v = load_v4_relaxed_gpu(base + i * 2048)
+            for e in cutlass.range_constexpr(4):
+                acc[4 * i + e] = acc[4 * i + e] + v[e]
 
 
-# %% ../../nbs/05b_pg.ipynb #e72000b2
+# %% ../../nbs/05b_pg.ipynb #3ac89c81
 class W4A4GemmPgSplitTail(W4A4GemmPgStreamK):
     "The stream-K kernel on the tail split (`sm90_parts.SplitTail`): whole rounds, then the last round's tiles cut along K."
     name = "sm90 v2 int4_pg tail split"
