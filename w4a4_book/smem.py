@@ -9,8 +9,8 @@ __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALI
            'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms', 'HopperV2Config',
            'hopper_v2_terms', 'HopperPgConfig', 'lora_chunk_of', 'hopper_pg_terms', 'HopperPgSmemConfig',
            'HopperPgV1Config', 'HopperPgStreamKConfig', 'hopper_pg_smem_terms', 'blackwell_orig_terms', 'Family',
-           'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms', 'check_config',
-           'Budget', 'solve', 'explain']
+           'given_stages', 'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms',
+           'check_config', 'Budget', 'solve', 'explain']
 
 # %% ../nbs/03_smem.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -431,23 +431,27 @@ class Family:
     fill: str | None = None  # stage kind grown after solving, into the leftover bytes
     min_stages: int = 1      # the fewest main stages its K-loop can run with (fewer would deadlock)
 
+def given_stages(cfg) -> dict:
+    "The stage counts `cfg` fixes: its decode and epilogue rings (0 where its family has none), its LoRA stages (0 at rank 0)."
+    return dict(decode=getattr(cfg, "decode_stages", 0), lora=cfg.lora_stages if cfg.lora_rank else 0, epi=getattr(cfg, "epi_stages", 0))
+
 FAMILIES = {
     HopperV1Config: Family(hopper_v1_terms, _check_hopper_v1, archs=("sm_90",), fmt="int4",
-                           given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=0)),
+                           given=given_stages),
     HopperV2Config: Family(hopper_v2_terms, _check_hopper_v2, archs=("sm_90",), fmt="int4",
-                           given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=0)),
+                           given=given_stages),
     # NOTES: the register-sourced mainloop decodes K-block k+1 while block k's wgmmas run, and frees k's stage only
     # once k+1's has landed: it holds two stages at once, so one stage would wait on itself forever.
     HopperPgConfig: Family(hopper_pg_terms, _check_hopper_pg, archs=("sm_90",), fmt="int4_pg", min_stages=2,
-                           given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
+                           given=given_stages),
     HopperPgV1Config: Family(hopper_pg_terms, _check_hopper_pg_v1, archs=("sm_90",), fmt="int4_pg", min_stages=2,
-                             given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
+                             given=given_stages),
     HopperPgStreamKConfig: Family(hopper_pg_terms, _check_hopper_pg_sk, archs=("sm_90",), fmt="int4_pg", min_stages=2,
-                                  given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
+                                  given=given_stages),
     HopperPgSmemConfig: Family(hopper_pg_smem_terms, _check_hopper_pg_smem, archs=("sm_90",), fmt="int4_pg",
-                               given=lambda c: dict(decode=c.decode_stages, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
+                               given=given_stages),
     BlackwellOrigConfig: Family(blackwell_orig_terms, _check_blackwell_orig, archs=("sm_100",), fmt="nvfp4", fill="epi",
-                                given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages)),
+                                given=given_stages),
 }
 
 # %% ../nbs/03_smem.ipynb #d4f9c8f5
@@ -495,7 +499,7 @@ def _check_sm100(cfg):
         raise ValueError(f"tile_n={cfg.tile_n}: needs {cols['total']} TMEM columns > {TMEM_COLUMNS}")
 
 FAMILIES[Sm100V1Config] = Family(sm100_terms, _check_sm100, archs=("sm_100",), fmt="nvfp4",
-                                 given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages))
+                                 given=given_stages)
 
 # %% ../nbs/03_smem.ipynb #8aaa7b57
 @dataclass(frozen=True)
@@ -523,7 +527,7 @@ def _check_sm100_v2(cfg):
     _check_sm100(cfg)
 
 FAMILIES[Sm100V2Config] = Family(sm100_v2_terms, _check_sm100_v2, archs=("sm_100",), fmt="nvfp4",
-                                 given=lambda c: dict(decode=0, lora=c.lora_stages if c.lora_rank else 0, epi=c.epi_stages))
+                                 given=given_stages)
 
 # %% ../nbs/03_smem.ipynb #dc89eb3d
 def check_config(cfg) -> None:
