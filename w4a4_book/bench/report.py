@@ -22,12 +22,12 @@ from .workloads import ALL_METHODS, BENCH_FORMATS, SHAPE_SETS, bench_problems, d
 
 # %% auto #0
 __all__ = ['FLOOR_FRACTION', 'VALUE_FORMATS', 'RATIO_PAIRS', 'PG_TARGETS', 'GEOMEAN_M', 'GEOMEAN_R', 'README_RECORDS',
-           'LORA_RECORD', 'README_COLUMNS', 'LAYER_README_RECORDS', 'LAYER_README_PATHS', 'PG_README_RECORDS',
-           'PG_README_COLUMNS', 'WAVES_RECORD', 'bench_path', 'save_bench', 'mfu_floors', 'check_floors',
-           'latest_record', 'recorded_rows', 'bench_table', 'plot_bench', 'speedups', 'ratio_table', 'geomean',
-           'pg_targets', 'target_lines', 'record_line', 'recorded_report', 'large_m', 'readme_table', 'standing',
-           'lora_line', 'layer_readme', 'pg_readme', 'waves_line', 'readme_results', 'add_arguments', 'run',
-           'bench_cli']
+           'LORA_RECORD', 'README_COLUMNS', 'LAYER_README_RECORDS', 'LAYER_README_PATHS', 'ACTIVATION_README_RECORD',
+           'PG_README_RECORDS', 'PG_README_COLUMNS', 'WAVES_RECORD', 'bench_path', 'save_bench', 'mfu_floors',
+           'check_floors', 'latest_record', 'recorded_rows', 'bench_table', 'plot_bench', 'speedups', 'ratio_table',
+           'geomean', 'pg_targets', 'target_lines', 'record_line', 'recorded_report', 'large_m', 'readme_table',
+           'standing', 'lora_line', 'layer_readme', 'activation_readme', 'pg_readme', 'waves_line', 'readme_results',
+           'add_arguments', 'run', 'bench_cli']
 
 # %% ../../nbs/09b_report.ipynb #73c5dfaa
 FLOOR_FRACTION = 0.9   # a kernel fails --check below this fraction of its recorded MFU
@@ -324,6 +324,19 @@ def layer_readme(rows: list) -> str:
                     "fastest": LAYER_README_PATHS[min(us, key=us.get)]})
     return markdown_table(out)
 
+ACTIVATION_README_RECORD = "activation_h200_fast_u_all.json"   # the activation kernel alone, with its stream time
+
+def activation_readme(rows: list) -> str:
+    "One README line from an activation record's int4_pg rows at its largest M: its share of the copy bandwidth, in a stream and as one replay."
+    M = max(r["M"] for r in rows)
+    pg = [r for r in rows if r["fmt"] == "int4_pg" and r["M"] == M]
+    span = lambda key: f"{min(r[key] for r in pg):.0%}–{max(r[key] for r in pg):.0%}"
+    return (f"**The activation kernel** ([chapter 8a](nbs/08a_quant.ipynb#no-division-in-a-trip-and-the-kernels-bandwidth-in-a-stream)), "
+            f"int4_pg at M = {M}, K = {', '.join(str(r['K']) for r in pg)}: its bytes (x read by both passes, the codes, bases and "
+            f"`lora_act` written) move at {span('stream_of_copy')} of the device-to-device copy bandwidth of the same run, a call's "
+            f"time in a stream of {pg[0]['stream_calls']} calls; a single CUDA-graph replay, the graph's launch and the flush's dirty lines "
+            f"included, is at {span('of_copy')}.")
+
 # %% ../../nbs/09b_report.ipynb #fc02edc9
 PG_README_RECORDS = ("bench_h200_int4_pg_m4352.json", "bench_h200_int4_pg_8192.json")   # the exact-integer kernel's runs
 PG_README_COLUMNS = {"torch_bf16": "torch bf16", "torch_fp8_rowwise": "torch FP8 rowwise", "cute_int8_gemm": "stock INT8 GEMM",
@@ -367,6 +380,7 @@ def readme_results(folder: str | Path | None = None) -> str:
     pg = [(name, *load_record(folder / name)) for name in PG_README_RECORDS]
     rows = [r for _, _, rs in bench for r in rs]
     layer = [(name, *load_record(folder / name)) for name in LAYER_README_RECORDS]
+    act = [(ACTIVATION_README_RECORD, *load_record(folder / ACTIVATION_README_RECORD))]
     waves = [(WAVES_RECORD, *load_record(folder / WAVES_RECORD))]
     lora_prov, lora_rows = load_record(folder / LORA_RECORD)
     prov = bench[0][1]
@@ -377,7 +391,7 @@ def readme_results(folder: str | Path | None = None) -> str:
         "**The whole layer** ([chapter 8](nbs/08_layer.ipynb)): the fused activation kernel and the GEMM, microseconds per "
         "forward as CUDA-graph replays, against torch's bf16 layer and its FP8 layer with the activation quantization "
         "fused by `torch.compile`; R = 32, bf16 in and out.", "",
-        layer_readme([r for _, _, rs in layer for r in rs]), "",
+        layer_readme([r for _, _, rs in layer for r in rs]), "", activation_readme(act[0][2]), "",
         f"**The int4 kernels**: TFLOP/s of the main GEMM (2·M·N·K over the median of {prov['iters']} timed calls; the LoRA "
         f"product and the affine are computed but not counted) on one {prov['gpu']}, and v2's MFU against the dense FP8 peak "
         f"of {prov['mfu_peak_tflops']:.0f} TFLOP/s. The torch paths run the same LoRA and affine as separate ops. "
@@ -385,7 +399,7 @@ def readme_results(folder: str | Path | None = None) -> str:
         "[benchmarks chapter](nbs/09_bench.ipynb); the records are in `nbs/data/`.",
         "", readme_table(rows), "", standing(rows), "",
         f"[LoRA accounting](nbs/06_lora_bug.ipynb) (2-CTA pairs, M = 4352, the four layers): {lora_line(lora_rows)}", "",
-        *[f"- {record_line(name, p)}" for name, p, _ in pg + waves + layer + bench], f"- {record_line(LORA_RECORD, lora_prov)}"])
+        *[f"- {record_line(name, p)}" for name, p, _ in pg + waves + layer + act + bench], f"- {record_line(LORA_RECORD, lora_prov)}"])
 
 # %% ../../nbs/09b_report.ipynb #849a0826
 def add_arguments(p: argparse.ArgumentParser) -> None:
