@@ -116,7 +116,7 @@ def test_recorded_commands_still_parse(path):
     if prov["kind"] == "ncu-activation":
         assert args.activation and (args.fmt, args.one_pass) == (prov["fmt"], prov["one_pass"])
         return
-    assert ncu_stalls.kernel_config(args.kernel)[0].kernel == prov["version"]
+    assert ncu_stalls.kernel_config(args.kernel, args.fmt, sets=args.sets)[0].kernel == prov["version"]
     assert args.roles == (prov["kind"] == "ncu-roles")
 
 
@@ -129,3 +129,15 @@ def test_grid_matches_the_recorded_roles():
         ctas = ncu_stalls.launched_ctas(kern, M, N)
         assert ctas == prov["ctas"], v
         assert -(-M // kern.bm) * (N // kern.bn) * (K // kern.bk) / ctas == prov["k_blocks_per_cta"], v
+
+
+def test_config_fields_set_after_the_choice():
+    "`--set NAME=VALUE` overrides a field after the library's tile choice, travels to the child, and a bad one is refused by name."
+    _, cfg = ncu_stalls.kernel_config("v2", "int4_pg", [4352, 3072, 3840, 32], ["tile_m=256", "epi_vectors=smem", "stages=3"])
+    assert (cfg.tile_m, cfg.epi_vectors, cfg.stages) == (256, "smem", 3)
+    a = ncu_stalls.parser().parse_args(["--kernel", "v2", "--fmt", "int4_pg", "--set", "tile_m=256", "--out", "x.json"])
+    cmd = ncu_stalls.ncu_command(a)
+    assert cmd[cmd.index("--set") + 1] == "tile_m=256"
+    for bad in ("tile=256", "tile_m=x", "tile_m"):
+        with pytest.raises(SystemExit, match="--set"):
+            ncu_stalls.kernel_config("v2", "int4_pg", None, [bad])

@@ -37,19 +37,20 @@ WARMUP = 3
 def kernel_config(name, fmt="int4", shape=None, sets=()):
     """The registry's kernel `name` (None: the format's default kernel) for `fmt` as `(spec, config)`: its config at
     every default, with the tile the library picks for `shape` where the kernel has a choice (`gemm.tile_choice`),
-    then the fields `sets` names (`NAME=VALUE` strings, a value parsed as the field's default is typed)."""
+    then the fields `sets` names (`NAME=VALUE` strings; a value is an int unless the field's default is a string)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from dataclasses import fields, replace
     from w4a4_book import gemm
     spec = gemm.find_kernel(name, fmt)
     config = spec.config()
     config = config if shape is None else gemm.tile_choice(config, gemm.example_problem(spec, *shape))
-    types = {f.name: type(f.default) for f in fields(config)}
+    strings = {f.name: isinstance(f.default, str) for f in fields(config)}   # the others are ints (or None by default)
     for s in sets:
         field, _, value = s.partition("=")
-        if field not in types or not value:
-            sys.exit(f"--set {s!r}: expected NAME=VALUE with NAME a field of {type(config).__name__}: {sorted(types)}")
-        config = replace(config, **{field: types[field](value) if types[field] in (int, str) else value})
+        if field not in strings or not value or not (strings[field] or value.isdigit()):
+            sys.exit(f"--set {s!r}: expected NAME=VALUE with NAME a field of {type(config).__name__} and an int for its "
+                     f"int fields: {sorted(strings)}")
+        config = replace(config, **{field: value if strings[field] else int(value)})
     return spec, config
 
 def child(name, fmt, shape, activation=False, one_pass=None, sets=()):

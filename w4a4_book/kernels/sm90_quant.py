@@ -453,9 +453,10 @@ def row_scales(base, lane, pg: cutlass.Constexpr):
 def group_u(amax, base, rbase, margin):
     """int4_pg: a group's `u` as `group_scale` divides it, `clamp(round((amax / 7) / base), 1, 15)`, but with two
     multiplies: `q = min((amax · RECIP_7) · rbase, 16)`. NOTES: each of the four roundings (1/7, the product, 1/base,
-    the product) is within 2^-24 of the exact value, so q is within 6·2^-24·16 = 6·2^-20 (under 2^-17) of the divided q below 16, and
-    both are at least 15.5 from 16 on; where q is more than `margin` (2^-14) from every n + 1/2, both round to the same
-    integer. Nearer a half, and in rows `row_scales` marks (margin 1), the divisions decide, as `group_scale`."""
+    the product) is within 2^-24 of the exact value, so below 16 q is within 6·2^-24·16 = 6·2^-20 (under 2^-17) of
+    the divided q, and where either reaches 16 both clamp to u = 15; where q is more than `margin` (2^-14) from every
+    n + 1/2, both round to the same integer. Nearer a half, and in rows `row_scales` marks (margin 1), the divisions
+    decide, as `group_scale`."""
     q = cutlass.min(mul_rn(mul_rn(amax, cutlass.Float32(RECIP_7)), rbase), cutlass.Float32(16.0))
     t = q + cutlass.Float32(ROUNDER)                      # round(q) to even in the low bits (q < 2^22)
     near = q - (t - cutlass.Float32(ROUNDER))             # exact: q minus the integer it rounds to, in [-1/2, 1/2]
