@@ -374,7 +374,7 @@ def waves_line(rows: list[dict]) -> str:
             f"both timed in the same run (R = 32).")
 
 def readme_results(folder: str | Path | None = None) -> str:
-    "The README's Results section (without its heading), made from `README_RECORDS`, `PG_README_RECORDS` and `LORA_RECORD` in `folder` (default `nbs/data/`)."
+    "The README's Results section (without its heading), made from `README_RECORDS`, `PG_README_RECORDS`, `WAVES_RECORD`, `LAYER_README_RECORDS`, `ACTIVATION_README_RECORD` and `LORA_RECORD` in `folder` (default `nbs/data/`)."
     folder = data_dir() if folder is None else Path(folder)
     bench = [(name, *load_record(folder / name)) for name in README_RECORDS]
     pg = [(name, *load_record(folder / name)) for name in PG_README_RECORDS]
