@@ -1,0 +1,65 @@
+"""Time the int4_pg GEMM alone (CUDA-graph replays, L2 flushed) at each output-ring setting that fits, on the four
+M = 4352 layers and on short K at 4352×3072, in one run: what a tile's epilogue costs, from how the time falls with K
+and how it moves with the ring (`epi_stages` sub-tiles of `64 × epi_tile_m` in flight per MMA warpgroup). Every
+setting's output is checked equal to the library tile's bit for bit (the ring changes where the output waits, not
+what it is).
+
+    python tools/epilogue_gemm.py --out nbs/data/epilogue_gemm_h200.json
+"""
+import sys
+
+import record_cli
+
+OPTIONS = dict(rank=32, iters=30)
+SHAPES = ((4352, 3072, 128), (4352, 3072, 640), (4352, 3072, 3840), (4352, 15360, 3840), (4352, 3072, 10240),
+          (4352, 3840, 15360))                                                     # M, N, K
+RINGS = ((224, 32, 1), (224, 32, 2), (224, 32, 4), (256, 32, 2), (256, 32, 4), (256, 64, 2))   # tile_m, epi_tile_m, epi_stages
+
+
+def configs(M, N, K, R):
+    "`{name: (config, main stages)}` of the library's tile and of each of `RINGS` whose budget fits."
+    from dataclasses import replace
+    from w4a4_book import gemm, smem
+    lib = gemm.default_config("int4_pg", problem=gemm.example_problem(gemm.find_kernel(None, "int4_pg"), M, N, K, R))
+    p = gemm.example_problem(gemm.find_kernel(None, "int4_pg"), M, N, K, R)
+    out = {}
+    for name, c in [("w4a4_pg", lib)] + [(f"tm{tm}_et{et}_es{es}", replace(lib, tile_m=tm, epi_tile_m=et, epi_stages=es,
+                                                                            epi_vectors="smem")) for tm, et, es in RINGS]:
+        try:
+            out[name] = (c, smem.solve(gemm.bind(c, p), k=K).stages["main"])
+        except ValueError as e:
+            print(f"{M}x{N}x{K} {name}: skipped ({e})", flush=True)
+    return out
+
+
+def main(argv=None):
+    "Measure, print and save the record."
+    a = record_cli.parse(__doc__, argv, **OPTIONS)
+    import torch
+    from w4a4_book import gemm
+    from w4a4_book.bench.timing import time_cuda, tflops
+    from w4a4_book.bench.workloads import make_workload
+    from w4a4_book.records import provenance, save_record
+    rows = []
+    for M, N, K in SHAPES:
+        w = make_workload(M, N, K, a.rank, fmt="int4_pg")
+        ref = None
+        for name, (config, stages) in configs(M, N, K, a.rank).items():
+            launch, out = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=config)
+            launch()
+            torch.cuda.synchronize()
+            ref = out.clone() if ref is None else ref
+            t = time_cuda(launch, warmup=10, iters=a.iters, graph=True)
+            rows.append(dict(method=name, M=M, N=N, K=K, R=a.rank, config=repr(config), main_stages=stages,
+                             tile_m=config.tile_m, epi_tile_m=config.epi_tile_m, epi_stages=config.epi_stages,
+                             equals_library=bool(torch.equal(out, ref)), **t,
+                             tflops=tflops(M, N, K, t["median_ms"]), timing="graph"))
+            print(f"{M}x{N}x{K} {name} ({stages} stages): {t['median_ms'] * 1e3:.1f} us, "
+                  f"{rows[-1]['tflops']:.0f} TFLOP/s, equal {rows[-1]['equals_library']}", flush=True)
+    command = record_cli.command("epilogue_gemm.py", a, **OPTIONS)
+    prov = provenance(command, [list(s) for s in SHAPES], kind="gemm_epilogue", rank=a.rank, timing="cuda_graph", fmt="int4_pg")
+    print(f"saved {save_record(a.out, prov, rows)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
