@@ -2,7 +2,8 @@
 epilogue (thread 0 of each MMA warpgroup), written into the stream-K workspace, on the M = 4352 layers. One launch
 per shape after a warm-up, outside any graph; the clock reads cost a few instructions a tile, so the launch is timed
 beside the library's kernel in the same run to show it is the same kernel. Per tile and warpgroup: the K-loop's
-cycles, the epilogue's, and the gap to the next tile's K-loop; per CTA: when its first K-loop started and its last
+cycles, the epilogue's (in three parts: the vectors' staging, the scale and LoRA, the store), and the gap to the next
+tile's K-loop, at R = 32 and at R = 0 (no LoRA product); per CTA: when its first K-loop started and its last
 epilogue ended, against the launch's first and last (`%globaltimer`, ns).
 
     python tools/tile_clock.py --out nbs/data/tile_clock_h200.json
@@ -14,7 +15,9 @@ import record_cli
 
 OPTIONS = dict(rank=32, iters=30)
 SHAPES = ((4352, 3072, 3840), (4352, 3072, 10240), (4352, 3840, 15360), (4352, 15360, 3840))   # M, N, K
-WORDS = 6                  # per tile and warpgroup: CTA, clock at K-loop start, at K-loop end, at epilogue end, globaltimer at the first and last
+# per tile and warpgroup: the CTA; the clock at K-loop start, at its end, after the vectors' staging, at the store's
+# start and at the epilogue's end; the globaltimer at the first and the last
+WORDS = 8
 
 
 def clock_kernel_class():
@@ -42,20 +45,32 @@ def clock_kernel_class():
             self._marks.append(special("clock"))
             return out
 
+        def epi_reads(self, st, layouts, vecs, pre, t, wgi, m, n, M):
+            out = super().epi_reads(st, layouts, vecs, pre, t, wgi, m, n, M)
+            self._marks.append(special("clock"))
+            return out
+
+        @cute.jit
+        def store(self, st, loads, reads, mma, layouts, accf, tCcC, t, wgi, m, n):
+            self._marks.append(special("clock"))
+            super().store(st, loads, reads, mma, layouts, accf, tCcC, t, wgi, m, n)
+
         @cute.jit
         def unit_end(self, st, loads, vecs, mmas, layouts, lora_pipe, lcons, accs, pre, where, m, n, M, role):
             lcons = super().unit_end(st, loads, vecs, mmas, layouts, lora_pipe, lcons, accs, pre, where, m, n, M, role)
             c2, g2 = special("clock"), special("globaltimer_lo")
             t, wgi, cta = where
-            c0, g0, c1 = self._marks
+            c0, g0, c1, ca, cb = self._marks
             w = ((m * (self.problem.N // pg.TILE_N) + n) * 2 + wgi) * WORDS
             if t == 0:
                 vecs.partials[w] = cta.cluster_id
                 vecs.partials[w + 1] = c0
                 vecs.partials[w + 2] = c1
-                vecs.partials[w + 3] = c2
-                vecs.partials[w + 4] = g0
-                vecs.partials[w + 5] = g2
+                vecs.partials[w + 3] = ca
+                vecs.partials[w + 4] = cb
+                vecs.partials[w + 5] = c2
+                vecs.partials[w + 6] = g0
+                vecs.partials[w + 7] = g2
             return lcons
 
     return ClockGemm
@@ -64,8 +79,9 @@ def clock_kernel_class():
 def tile_rows(words, K: int, bk: int) -> dict:
     "The per-tile quantities of one launch's words (int64 numpy `(tiles·2, WORDS)`), summarised."
     import numpy as np
-    cta, c0, c1, c2, g0, g2 = (words[:, j] for j in range(WORDS))
+    cta, c0, c1, ca, cb, c2, g0, g2 = (words[:, j] for j in range(WORDS))
     kloop, epi = (c1 - c0) % 2 ** 32, (c2 - c1) % 2 ** 32
+    vectors, scale_lora, store = (ca - c1) % 2 ** 32, (cb - ca) % 2 ** 32, (c2 - cb) % 2 ** 32
     who = cta * 2 + np.arange(len(words)) % 2          # (CTA, warpgroup): row 2·tile + warpgroup
     order = np.lexsort((c0, who))
     same = who[order][1:] == who[order][:-1]
@@ -76,6 +92,7 @@ def tile_rows(words, K: int, bk: int) -> dict:
     mhz = float(np.median((c2 - c0) % 2 ** 32 / np.maximum((g2 - g0) % 2 ** 32, 1) * 1e3))
     q = lambda x: dict(median=float(np.median(x)), p10=float(np.percentile(x, 10)), p90=float(np.percentile(x, 90)))
     return dict(kloop_cycles=q(kloop), kloop_cycles_per_block=q(kloop / (K // bk)), epilogue_cycles=q(epi),
+                vectors_cycles=q(vectors), scale_lora_cycles=q(scale_lora), store_cycles=q(store),
                 gap_cycles=q(gaps) if len(gaps) else None, first_start_ns=q(first), last_end_ns=q(last),
                 launch_ns=float(max(last)), clock_mhz=mhz, tiles=int(len(words) // 2))
 
@@ -90,8 +107,8 @@ def main(argv=None):
     from w4a4_book.kernels import sm90_pg as pg
     from w4a4_book.records import provenance, save_record
     Clock, rows = clock_kernel_class(), []
-    for M, N, K in SHAPES:
-        w = make_workload(M, N, K, a.rank, fmt="int4_pg")
+    for (M, N, K), R in [(s, r) for r in (a.rank, 0) for s in SHAPES]:
+        w = make_workload(M, N, K, R, fmt="int4_pg")
         lib_launch, lib_out = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype)
         _, tensors, _, p, _ = gemm._launch(*w.operands, w.out_dtype, None, None)
         config = gemm.tile_choice(gemm.default_config("int4_pg"), p)
@@ -111,12 +128,14 @@ def main(argv=None):
         tiles = -(-M // config.tile_m) * (N // pg.TILE_N)
         words = ts[10][:tiles * 2 * WORDS].view(tiles * 2, WORDS).cpu().numpy().astype("int64") % 2 ** 32
         s = tile_rows(words, K, config.tile_k)
-        rows.append(dict(M=M, N=N, K=K, R=a.rank, config=repr(config), equals_library=equal,
+        rows.append(dict(M=M, N=N, K=K, R=R, config=repr(config), equals_library=equal,
                          library_ms=times["library"], clocked_ms=times["clocked"], **s))
-        print(f"{M}x{N}x{K} tile_m {config.tile_m}: library {times['library'] * 1e3:.1f} us, clocked "
+        print(f"{M}x{N}x{K} R {R} tile_m {config.tile_m}: library {times['library'] * 1e3:.1f} us, clocked "
               f"{times['clocked'] * 1e3:.1f} us, equal {equal}; {s['tiles']} tiles at {s['clock_mhz']:.0f} MHz: K-loop "
               f"{s['kloop_cycles']['median']:.0f} cycles ({s['kloop_cycles_per_block']['median']:.0f} a block), epilogue "
-              f"{s['epilogue_cycles']['median']:.0f} (p90 {s['epilogue_cycles']['p90']:.0f}), gap "
+              f"{s['epilogue_cycles']['median']:.0f} (p90 {s['epilogue_cycles']['p90']:.0f}: vectors "
+              f"{s['vectors_cycles']['median']:.0f}, scale and LoRA {s['scale_lora_cycles']['median']:.0f}, store "
+              f"{s['store_cycles']['median']:.0f}), gap "
               f"{(s['gap_cycles'] or {}).get('median', float('nan')):.0f}; CTA starts p90 {s['first_start_ns']['p90']:.0f} ns, "
               f"ends p10/median {s['last_end_ns']['p10']:.0f}/{s['last_end_ns']['median']:.0f} of {s['launch_ns']:.0f} ns", flush=True)
     command = record_cli.command("tile_clock.py", a, **OPTIONS)
