@@ -185,6 +185,9 @@ GRID = [  # M (tails, several tiles per CTA), N, K, R, out dtype, affine, cluste
     (1000, 3072, 3840, 128, torch.float16, True, 2, 224, "global"),
     (777, 3840, 1536, 0, torch.bfloat16, False, 1, 192, "smem"),
     (300, 512, 1024, 64, torch.bfloat16, True, 1, 160, "smem"),
+    (4352, 3072, 3840, 32, torch.bfloat16, True, 1, 208, "smem"),   # 16-row output sub-tiles (tile heights of 16·odd)
+    (1000, 3072, 3840, 128, torch.float16, True, 2, 208, "global"),
+    (300, 512, 1024, 64, torch.bfloat16, True, 1, 144, "smem"),
 ]
 
 
@@ -193,7 +196,7 @@ GRID = [  # M (tails, several tiles per CTA), N, K, R, out dtype, affine, cluste
 def test_matches_exact_reference(M, N, K, R, out_dtype, affine, cluster_n, tile_m, vectors):
     case = make_pg_case(M, N, K, R, out_dtype, affine, seed=M + N + K + R)
     out = torch.full((M, N), float("nan"), dtype=out_dtype, device="cuda")
-    cfg = HopperPgConfig(cluster_n=cluster_n, tile_m=tile_m, epi_vectors=vectors)
+    cfg = HopperPgConfig(cluster_n=cluster_n, tile_m=tile_m, epi_tile_m=32 if tile_m % 32 == 0 else 16, epi_vectors=vectors)
     gemm.gemm_w4a4(*case, out_dtype=out_dtype, config=cfg, out=out)
     torch.cuda.synchronize()
     check_exact(out, case, out_dtype)

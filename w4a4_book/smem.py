@@ -216,7 +216,6 @@ class HopperPgConfig:
     scale_dtype: str = "uint8"      # the weights' u
     epi_stages: int = 2             # output sub-tiles in flight per MMA warpgroup (a ring, stored by TMA)
     epi_tile_m: int = 32            # activation rows of an output sub-tile (it has 64 weight rows)
-    epi_batch: bool = False         # store the ring in batches of epi_stages sub-tiles, one barrier a batch (False: one by one)
     epi_vectors: str = "global"     # the epilogue's bases, wcscales and bias: read from global, or staged in shared memory ("smem")
     lora_accounting: str = "per_cta"
     stages: int | None = None
@@ -378,19 +377,18 @@ def _check_hopper_v2(cfg):
         raise ValueError(f"ablate={cfg.ablate!r}: must be a tuple of some of {ABLATIONS}")
 
 def _check_hopper_pg(cfg):
-    _int(cfg, "tile_m", 64, 256, 32, "wgmma N, in whole 32-row output sub-tiles, up to 256 activation rows")
+    _int(cfg, "tile_m", 64, 256, 16, "INT8 wgmma's N, in whole 16-row output sub-tiles, up to 256 activation rows")
     _int(cfg, "tile_n", 128, 128, why="two MMA warpgroups of 64 weight rows: the packed weight layout is per 128 rows")
     _int(cfg, "tile_k", 128, 128, why="the packed weight layout is per 128 K")
     _int(cfg, "cluster_n", 1, 2)
-    _int(cfg, "epi_tile_m", 32, cfg.tile_m, 32, "whole 32-row stmatrix blocks of the tile")
+    _int(cfg, "epi_tile_m", 16, cfg.tile_m, 16, "whole 16-row stmatrix blocks of the tile")
     if cfg.tile_m % cfg.epi_tile_m:
         raise ValueError(f"epi_tile_m={cfg.epi_tile_m}: must divide tile_m={cfg.tile_m}")
-    _int(cfg, "epi_stages", 1, cfg.tile_m // cfg.epi_tile_m, why="at most the tile's sub-tiles: with all of them, the tile is stored behind one barrier")
+    _int(cfg, "epi_stages", 1, cfg.tile_m // cfg.epi_tile_m, why="at most the tile's sub-tiles: with all of them, no sub-tile waits for a buffer")
     _choice(cfg, "out_dtype", ("bfloat16", "float16"))
     _choice(cfg, "lora_dtype", ("bfloat16", "float16"))
     _choice(cfg, "scale_dtype", ("uint8",))
     _choice(cfg, "epi_vectors", ("smem", "global"))
-    _choice(cfg, "epi_batch", (False, True))
     if cfg.lora_chunk is not None:
         _int(cfg, "lora_chunk", 16, 256, 16, "whole 16-deep MMAs of the LoRA product")
         if cfg.lora_rank and cfg.lora_rank % lora_chunk_of(cfg):

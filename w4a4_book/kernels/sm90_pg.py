@@ -786,11 +786,7 @@ def epilogue(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas
 @patch
 @cute.jit
 def store(self: W4A4GemmPg, st, loads: PgLoads, reads, mma, layouts: PgLayouts, accf, tCcC, t, wgi, m, n):
-    """The affine, then registers → shared memory (`stmatrix`, transposed) → global (TMA), through a ring of
-    `epi_stages` sub-tiles: one by one (each behind its own fence and barrier, refilled as the store `epi_stages`
-    before it has read its buffer), or with `epi_batch` in batches of `epi_stages`, each written whole behind one
-    fence and one barrier and then stored, the next batch waiting until every store of this one has read its buffer.
-    A ring of the whole tile is one batch."""
+    "The affine, then registers → shared memory (`stmatrix`, transposed) → global (TMA), through a ring of sub-tiles."
     E, c_dtype = self.estages, self.c_dtype
     sync = lambda: cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
     sC = st.epilogue.get_tensor(layouts.epilogue.outer, swizzle=layouts.epilogue.inner)    # (64, EPI_M, 2·E)
@@ -807,13 +803,11 @@ def store(self: W4A4GemmPg, st, loads: PgLoads, reads, mma, layouts: PgLayouts, 
     bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(loads.c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
     n_epi = cute.size(gC_epi, mode=[1])
     epi_order = cute.make_layout(gC_epi.shape[1], stride=(gC_epi.shape[1][1], 1))
-    batch = self.cfg.epi_batch
-    issue = lambda e: cute.copy(loads.c, bSG_sC[(None, wgi * E + e % E)], bSG_gC[(None, epi_order.get_hier_coord(e))])
     for e in cutlass.range_constexpr(n_epi):
-        if cutlass.const_expr(e == 0 or (e >= E and (not batch or e % E == 0))):
-            # the stores that last read these buffers (the previous tile's, the batch before, or E sub-tiles ago) are done
+        if cutlass.const_expr(e == 0 or e >= E):
+            # the store that last read this sub-tile's buffer (E sub-tiles ago, or the previous tile's) is done reading
             if t == 0:
-                cute.arch.cp_async_bulk_wait_group(0 if e == 0 or batch else E - 1, read=True)
+                cute.arch.cp_async_bulk_wait_group(0 if e == 0 else E - 1, read=True)
             sync()
         for v in cutlass.range_constexpr(nD):
             i = cute.crd2idx(e * nD + v, tRS_acc.layout)
@@ -826,14 +820,13 @@ def store(self: W4A4GemmPg, st, loads: PgLoads, reads, mma, layouts: PgLayouts, 
             rD[v] = x
         out = cute.make_rmem_tensor(rD_layout, c_dtype)
         out.store(rD.load().to(c_dtype))
-        cute.copy(tiled_r2s, out, tRS_sC[(None, None, None, wgi * E + e % E)])
-        if cutlass.const_expr(not batch or e % E == E - 1 or e == n_epi - 1):
-            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-            sync()                                                               # the sub-tile (the batch) is in shared memory
-            if t == 0:
-                for j in cutlass.range_constexpr(e - e % E if batch else e, e + 1):
-                    issue(j)
-                cute.arch.cp_async_bulk_commit_group()
+        buf = wgi * E + e % E
+        cute.copy(tiled_r2s, out, tRS_sC[(None, None, None, buf)])
+        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+        sync()                                                                   # the sub-tile is in shared memory
+        if t == 0:
+            cute.copy(loads.c, bSG_sC[(None, buf)], bSG_gC[(None, epi_order.get_hier_coord(e))])
+            cute.arch.cp_async_bulk_commit_group()
 
 # %% ../../nbs/05b_pg.ipynb #b6a6cc87
 SMEM_ROLES = WarpRoles(load_warp=0, decode_warps=(4, 5, 6, 7), mma_warps=tuple(range(8, 16)), load_regs=24,
