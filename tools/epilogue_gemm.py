@@ -12,19 +12,22 @@ import record_cli
 
 OPTIONS = dict(rank=32, iters=30)
 SHAPES = ((4352, 3072, 3840), (4352, 15360, 3840), (4352, 3072, 10240), (4352, 3840, 15360))   # M, N, K
-# tile_m, epi_tile_m, epi_stages: each shape times those of its library tile's height
-RINGS = ((224, 32, 1), (224, 32, 2), (224, 32, 4), (256, 32, 2), (256, 32, 4), (256, 64, 2))
+# tile_m, epi_tile_m, epi_stages: each shape times those whose grid takes as many rounds of the SMs as its library tile's
+RINGS = ((224, 32, 2), (224, 112, 1), (224, 112, 2), (208, 16, 4), (256, 32, 2), (256, 64, 2), (256, 128, 1),
+         (256, 64, 1))
 
 
 def configs(M, N, K, R):
-    "`{name: (config, main stages)}` of the library's tile and of each of `RINGS` of its height whose budget fits."
+    """`{name: (config, main stages)}` of the library's tile and of each of `RINGS` whose budget fits and whose grid
+    takes as many rounds of `gemm.DEFAULT_NUM_SMS` as the library's."""
     from dataclasses import replace
     from w4a4_book import gemm, smem
     lib = gemm.default_config("int4_pg", problem=gemm.example_problem(gemm.find_kernel(None, "int4_pg"), M, N, K, R))
     p = gemm.example_problem(gemm.find_kernel(None, "int4_pg"), M, N, K, R)
     out = {}
+    rounds = lambda tm: -(-(-(-M // tm) * (N // lib.tile_n)) // gemm.DEFAULT_NUM_SMS)
     rings = [(f"tm{tm}_et{et}_es{es}", replace(lib, tile_m=tm, epi_tile_m=et, epi_stages=es, epi_vectors="smem"))
-             for tm, et, es in RINGS if tm == lib.tile_m]
+             for tm, et, es in RINGS if rounds(tm) == rounds(lib.tile_m)]
     for name, c in [("w4a4_pg", lib)] + rings:
         try:
             out[name] = (c, smem.solve(gemm.bind(c, p), k=K).stages["main"])
