@@ -146,7 +146,7 @@ DEFAULT_NUM_SMS = 132                            # H100 and H200 SXM: what a com
 MIN_STAGES = 3                                   # main stages a default config keeps (see above)
 MIN_WAVE_FILL = 0.9                              # the share of the SMs' first wave a tile grid must fill (see above)
 # per config class, the (activation-tile height, epi_tile_m, epi_stages, epi_vectors) a default config tries, in order
-TILE_CHOICES = {smem.HopperPgConfig: ((256, 32, 2, "smem"), (256, 32, 1, "smem"), (256, 32, 1, "global"),
+TILE_CHOICES = {smem.HopperPgConfig: ((256, 64, 2, "smem"), (256, 32, 2, "smem"), (256, 32, 1, "smem"), (256, 32, 1, "global"),
                                       (224, 32, 2, "smem"), (208, 16, 2, "smem"), (192, 32, 2, "smem"),
                                       (128, 32, 2, "smem"), (64, 32, 2, "smem"))}
 
