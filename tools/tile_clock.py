@@ -3,7 +3,7 @@ epilogue (thread 0 of each MMA warpgroup), written into the stream-K workspace, 
 per shape after a warm-up, outside any graph; the clock reads cost a few instructions a tile, so the launch is timed
 beside the library's kernel in the same run to show it is the same kernel. Per tile and warpgroup: the K-loop's
 cycles, the epilogue's (in three parts: the vectors' staging, the scale and LoRA, the store), and the gap to the next
-tile's K-loop, at R = 32 and at R = 0 (no LoRA product); per CTA: when its first K-loop started and its last
+tile's K-loop; per CTA: when its first K-loop started and its last
 epilogue ended, against the launch's first and last (`%globaltimer`, ns).
 
     python tools/tile_clock.py --out nbs/data/tile_clock_h200.json
@@ -107,7 +107,7 @@ def main(argv=None):
     from w4a4_book.kernels import sm90_pg as pg
     from w4a4_book.records import provenance, save_record
     Clock, rows = clock_kernel_class(), []
-    for (M, N, K), R in [(s, r) for r in (a.rank, 0) for s in SHAPES]:
+    for (M, N, K), R in [(s, a.rank) for s in SHAPES]:
         w = make_workload(M, N, K, R, fmt="int4_pg")
         lib_launch, lib_out = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype)
         _, tensors, _, p, _ = gemm._launch(*w.operands, w.out_dtype, None, None)
