@@ -50,10 +50,9 @@ def clock_kernel_class():
             self._marks.append(special("clock"))
             return out
 
-        @cute.jit
-        def store(self, st, loads, reads, mma, layouts, accf, tCcC, t, wgi, m, n):
+        def finish(self, reads, views, accf, tCcC, out):
             self._marks.append(special("clock"))
-            super().store(st, loads, reads, mma, layouts, accf, tCcC, t, wgi, m, n)
+            super().finish(reads, views, accf, tCcC, out)
 
         @cute.jit
         def unit_end(self, st, loads, vecs, mmas, layouts, lora_pipe, lcons, accs, pre, where, m, n, M, role):
