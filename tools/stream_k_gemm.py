@@ -23,23 +23,23 @@ def configs(M, N, K, R):
                 w4a4_pg_sk=smem.HopperPgStreamKConfig(), w4a4_pg_sk_lib=smem.HopperPgStreamKConfig(**same))
 
 
+def rows_of(shape, got) -> list:
+    "One shape's rows, each with whether stream-K's output equals its whole-tile kernel's (on both tiles); printed."
+    import torch
+    outs = {name: out for name, (_, _, out, _) in got.items()}
+    same = bool(torch.equal(outs["w4a4_pg_sk"], outs["w4a4_pg_256"]))
+    same_lib = bool(torch.equal(outs["w4a4_pg_sk_lib"], outs["w4a4_pg"]))
+    rows, at = [], "x".join(map(str, shape))
+    for name, (_, _, _, r) in got.items():
+        rows.append(dict(r, sk_equals_256=same, sk_lib_equals_lib=same_lib))
+        print(f"{at} {name}: {r['median_ms'] * 1e3:.1f} us, {r['tflops']:.0f} TFLOP/s", flush=True)
+    print(f"{at}: stream-K output equals its whole-tile kernel's: 256 rows {same}, the library's tile {same_lib}", flush=True)
+    return rows
+
+
 def main(argv=None):
     "Measure, print and save the record."
-    a = record_cli.parse(__doc__, argv, **OPTIONS)
-    import torch
-    from w4a4_book.records import provenance, save_record
-    rows = []
-    for (M, N, K), got in record_cli.time_configs(SHAPES, a.rank, a.iters, configs):
-        outs = {name: out for name, (_, _, out, _) in got.items()}
-        same = bool(torch.equal(outs["w4a4_pg_sk"], outs["w4a4_pg_256"]))
-        same_lib = bool(torch.equal(outs["w4a4_pg_sk_lib"], outs["w4a4_pg"]))
-        for name, (_, _, _, r) in got.items():
-            rows.append(dict(r, sk_equals_256=same, sk_lib_equals_lib=same_lib))
-            print(f"{M}x{N}x{K} {name}: {r['median_ms'] * 1e3:.1f} us, {r['tflops']:.0f} TFLOP/s", flush=True)
-        print(f"{M}x{N}x{K}: stream-K output equals its whole-tile kernel's: 256 rows {same}, the library's tile {same_lib}", flush=True)
-    command = record_cli.command("stream_k_gemm.py", a, **OPTIONS)
-    prov = provenance(command, [list(s) for s in SHAPES], kind="gemm_stream_k", rank=a.rank, timing="cuda_graph", fmt="int4_pg")
-    print(f"saved {save_record(a.out, prov, rows)}")
+    return record_cli.gemm_tool(__doc__, argv, "stream_k_gemm.py", SHAPES, configs, rows_of, "gemm_stream_k", **OPTIONS)
 
 
 if __name__ == "__main__":

@@ -28,22 +28,20 @@ def configs(M, N, K, R):
     return out
 
 
+def rows_of(shape, got) -> list:
+    "One shape's rows: each height's, its main stages and tiles, and whether its output equals the 224-row tile's; printed."
+    import torch
+    rows, ref = [], got["w4a4_pg_224"][2]
+    for name, (config, (stages, tiles), out, r) in got.items():
+        rows.append(dict(r, main_stages=stages, tiles=tiles, equals_224=bool(torch.equal(out, ref))))
+        print(f"{'x'.join(map(str, shape))} {name} (tile {config.tile_m}, {tiles} tiles, {stages} stages): "
+              f"{r['median_ms'] * 1e3:.1f} us, {r['tflops']:.0f} TFLOP/s, equal {rows[-1]['equals_224']}", flush=True)
+    return rows
+
+
 def main(argv=None):
     "Measure, print and save the record."
-    a = record_cli.parse(__doc__, argv, **OPTIONS)
-    import torch
-    from w4a4_book.records import provenance, save_record
-    rows = []
-    for (M, N, K), got in record_cli.time_configs(SHAPES, a.rank, a.iters, configs):
-        ref = got["w4a4_pg_224"][2]
-        for name, (config, (stages, tiles), out, r) in got.items():
-            rows.append(dict(r, tile_m=config.tile_m, epi_tile_m=config.epi_tile_m, epi_stages=config.epi_stages,
-                             main_stages=stages, tiles=tiles, equals_224=bool(torch.equal(out, ref))))
-            print(f"{M}x{N}x{K} {name} (tile {config.tile_m}, {tiles} tiles, {stages} stages): "
-                  f"{r['median_ms'] * 1e3:.1f} us, {r['tflops']:.0f} TFLOP/s, equal {rows[-1]['equals_224']}", flush=True)
-    command = record_cli.command("tile_heights.py", a, **OPTIONS)
-    prov = provenance(command, [list(s) for s in SHAPES], kind="gemm_tile_heights", rank=a.rank, timing="cuda_graph", fmt="int4_pg")
-    print(f"saved {save_record(a.out, prov, rows)}")
+    return record_cli.gemm_tool(__doc__, argv, "tile_heights.py", SHAPES, configs, rows_of, "gemm_tile_heights", **OPTIONS)
 
 
 if __name__ == "__main__":
