@@ -141,3 +141,23 @@ def test_config_fields_set_after_the_choice():
     for bad in ("tile=256", "tile_m=x", "tile_m"):
         with pytest.raises(SystemExit, match="--set"):
             ncu_stalls.kernel_config("v2", "int4_pg", None, [bad])
+
+
+@pytest.mark.parametrize("tool", ["stream_k_gemm", "epilogue_gemm", "tile_heights"])
+def test_gemm_timing_tools_run_on_stand_ins(tool, monkeypatch, tmp_path):
+    "The GEMM-alone tools, end to end, with the GPU's parts (workload, launch, timer, provenance) stood in for: every row saved."
+    import sys, torch
+    import w4a4_book.bench.timing as timing, w4a4_book.bench.workloads as workloads, w4a4_book.records as recs
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
+    stand_in = type("W", (), {"operands": (), "out_dtype": torch.bfloat16})
+    monkeypatch.setattr(workloads, "make_workload", lambda *a, **k: stand_in())
+    monkeypatch.setattr(gemm, "gemm_launcher", lambda *a, **k: ((lambda: None), torch.zeros(2, 2)))
+    monkeypatch.setattr(timing, "time_cuda", lambda f, **k: dict(median_ms=0.1, p10_ms=0.1, p90_ms=0.1, n=k["iters"]))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(recs, "provenance", lambda command, *a, **k: dict(command=command))
+    saved = {}
+    monkeypatch.setattr(recs, "save_record", lambda path, prov, rows: saved.update(prov=prov, rows=rows) or path)
+    module = importlib.import_module(tool)
+    module.main(["--out", str(tmp_path / "r.json"), "--iters", "3"])
+    want = sum(len(module.configs(*s, 32)) for s in module.SHAPES)
+    assert len(saved["rows"]) == want and saved["prov"]["command"].startswith(f"python tools/{tool}.py --out nbs/data/r.json")

@@ -36,33 +36,20 @@ def configs(M, N, K, R):
     return out
 
 
+def rows_of(shape, got) -> list:
+    "One shape's rows: each ring's, its main stages and whether its output equals the library's; printed."
+    import torch
+    rows, ref = [], got["w4a4_pg"][2]
+    for name, (config, (stages,), out, r) in got.items():
+        rows.append(dict(r, main_stages=stages, equals_library=bool(torch.equal(out, ref))))
+        print(f"{'x'.join(map(str, shape))} {name} ({stages} stages): {r['median_ms'] * 1e3:.1f} us, "
+              f"{r['tflops']:.0f} TFLOP/s, equal {rows[-1]['equals_library']}", flush=True)
+    return rows
+
+
 def main(argv=None):
     "Measure, print and save the record."
-    a = record_cli.parse(__doc__, argv, **OPTIONS)
-    import torch
-    from w4a4_book import gemm
-    from w4a4_book.bench.timing import time_cuda, tflops
-    from w4a4_book.bench.workloads import make_workload
-    from w4a4_book.records import provenance, save_record
-    rows = []
-    for M, N, K in SHAPES:
-        w = make_workload(M, N, K, a.rank, fmt="int4_pg")
-        ref = None
-        for name, (config, stages) in configs(M, N, K, a.rank).items():
-            launch, out = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=config)
-            launch()
-            torch.cuda.synchronize()
-            ref = out.clone() if ref is None else ref
-            t = time_cuda(launch, warmup=10, iters=a.iters, graph=True)
-            rows.append(dict(method=name, M=M, N=N, K=K, R=a.rank, config=repr(config), main_stages=stages,
-                             tile_m=config.tile_m, epi_tile_m=config.epi_tile_m, epi_stages=config.epi_stages,
-                             equals_library=bool(torch.equal(out, ref)), **t,
-                             tflops=tflops(M, N, K, t["median_ms"]), timing="graph"))
-            print(f"{M}x{N}x{K} {name} ({stages} stages): {t['median_ms'] * 1e3:.1f} us, "
-                  f"{rows[-1]['tflops']:.0f} TFLOP/s, equal {rows[-1]['equals_library']}", flush=True)
-    command = record_cli.command("epilogue_gemm.py", a, **OPTIONS)
-    prov = provenance(command, [list(s) for s in SHAPES], kind="gemm_epilogue", rank=a.rank, timing="cuda_graph", fmt="int4_pg")
-    print(f"saved {save_record(a.out, prov, rows)}")
+    return record_cli.gemm_tool(__doc__, argv, "epilogue_gemm.py", SHAPES, configs, rows_of, "gemm_epilogue", **OPTIONS)
 
 
 if __name__ == "__main__":

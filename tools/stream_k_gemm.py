@@ -23,35 +23,23 @@ def configs(M, N, K, R):
                 w4a4_pg_sk=smem.HopperPgStreamKConfig(), w4a4_pg_sk_lib=smem.HopperPgStreamKConfig(**same))
 
 
+def rows_of(shape, got) -> list:
+    "One shape's rows, each with whether stream-K's output equals its whole-tile kernel's (on both tiles); printed."
+    import torch
+    outs = {name: out for name, (_, _, out, _) in got.items()}
+    same = bool(torch.equal(outs["w4a4_pg_sk"], outs["w4a4_pg_256"]))
+    same_lib = bool(torch.equal(outs["w4a4_pg_sk_lib"], outs["w4a4_pg"]))
+    rows, at = [], "x".join(map(str, shape))
+    for name, (_, _, _, r) in got.items():
+        rows.append(dict(r, sk_equals_256=same, sk_lib_equals_lib=same_lib))
+        print(f"{at} {name}: {r['median_ms'] * 1e3:.1f} us, {r['tflops']:.0f} TFLOP/s", flush=True)
+    print(f"{at}: stream-K output equals its whole-tile kernel's: 256 rows {same}, the library's tile {same_lib}", flush=True)
+    return rows
+
+
 def main(argv=None):
     "Measure, print and save the record."
-    a = record_cli.parse(__doc__, argv, **OPTIONS)
-    import torch
-    from w4a4_book import gemm
-    from w4a4_book.bench.timing import time_cuda, tflops
-    from w4a4_book.bench.workloads import make_workload
-    from w4a4_book.records import provenance, save_record
-    rows = []
-    for M, N, K in SHAPES:
-        w = make_workload(M, N, K, a.rank, fmt="int4_pg")
-        outs = {}
-        for name, config in configs(M, N, K, a.rank).items():
-            launch, out = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=config)
-            launch()
-            torch.cuda.synchronize()
-            outs[name] = out.clone()
-            t = time_cuda(launch, warmup=10, iters=a.iters, graph=True)
-            rows.append(dict(method=name, M=M, N=N, K=K, R=a.rank, config=repr(config), **t,
-                             tflops=tflops(M, N, K, t["median_ms"]), timing="graph"))
-            print(f"{M}x{N}x{K} {name}: {t['median_ms'] * 1e3:.1f} us, {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
-        same = bool(torch.equal(outs["w4a4_pg_sk"], outs["w4a4_pg_256"]))
-        same_lib = bool(torch.equal(outs["w4a4_pg_sk_lib"], outs["w4a4_pg"]))
-        for r in rows[-len(outs):]:
-            r.update(sk_equals_256=same, sk_lib_equals_lib=same_lib)
-        print(f"{M}x{N}x{K}: stream-K output equals its whole-tile kernel's: 256 rows {same}, the library's tile {same_lib}", flush=True)
-    command = record_cli.command("stream_k_gemm.py", a, **OPTIONS)
-    prov = provenance(command, [list(s) for s in SHAPES], kind="gemm_stream_k", rank=a.rank, timing="cuda_graph", fmt="int4_pg")
-    print(f"saved {save_record(a.out, prov, rows)}")
+    return record_cli.gemm_tool(__doc__, argv, "stream_k_gemm.py", SHAPES, configs, rows_of, "gemm_stream_k", **OPTIONS)
 
 
 if __name__ == "__main__":

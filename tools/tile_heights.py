@@ -28,34 +28,20 @@ def configs(M, N, K, R):
     return out
 
 
+def rows_of(shape, got) -> list:
+    "One shape's rows: each height's, its main stages and tiles, and whether its output equals the 224-row tile's; printed."
+    import torch
+    rows, ref = [], got["w4a4_pg_224"][2]
+    for name, (config, (stages, tiles), out, r) in got.items():
+        rows.append(dict(r, main_stages=stages, tiles=tiles, equals_224=bool(torch.equal(out, ref))))
+        print(f"{'x'.join(map(str, shape))} {name} (tile {config.tile_m}, {tiles} tiles, {stages} stages): "
+              f"{r['median_ms'] * 1e3:.1f} us, {r['tflops']:.0f} TFLOP/s, equal {rows[-1]['equals_224']}", flush=True)
+    return rows
+
+
 def main(argv=None):
     "Measure, print and save the record."
-    a = record_cli.parse(__doc__, argv, **OPTIONS)
-    import torch
-    from w4a4_book import gemm
-    from w4a4_book.bench.timing import time_cuda, tflops
-    from w4a4_book.bench.workloads import make_workload
-    from w4a4_book.records import provenance, save_record
-    rows = []
-    for M, N, K in SHAPES:
-        w = make_workload(M, N, K, a.rank, fmt="int4_pg")
-        outs = {}
-        for name, (config, stages, tiles) in configs(M, N, K, a.rank).items():
-            launch, out = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=config)
-            launch()
-            torch.cuda.synchronize()
-            outs[name] = out.clone()
-            t = time_cuda(launch, warmup=10, iters=a.iters, graph=True)
-            rows.append(dict(method=name, M=M, N=N, K=K, R=a.rank, config=repr(config), tile_m=config.tile_m,
-                             epi_tile_m=config.epi_tile_m, epi_stages=config.epi_stages, main_stages=stages, tiles=tiles,
-                             **t, tflops=tflops(M, N, K, t["median_ms"]), timing="graph"))
-        for r in rows[-len(outs):]:
-            r["equals_224"] = bool(torch.equal(outs[r["method"]], outs["w4a4_pg_224"]))
-            print(f"{M}x{N}x{K} {r['method']} (tile {r['tile_m']}, {r['tiles']} tiles, {r['main_stages']} stages): "
-                  f"{r['median_ms'] * 1e3:.1f} us, {r['tflops']:.0f} TFLOP/s, equal {r['equals_224']}", flush=True)
-    command = record_cli.command("tile_heights.py", a, **OPTIONS)
-    prov = provenance(command, [list(s) for s in SHAPES], kind="gemm_tile_heights", rank=a.rank, timing="cuda_graph", fmt="int4_pg")
-    print(f"saved {save_record(a.out, prov, rows)}")
+    return record_cli.gemm_tool(__doc__, argv, "tile_heights.py", SHAPES, configs, rows_of, "gemm_tile_heights", **OPTIONS)
 
 
 if __name__ == "__main__":
