@@ -8,7 +8,6 @@ epilogue ended, against the launch's first and last (`%globaltimer`, ns).
 
     python tools/tile_clock.py --out nbs/data/tile_clock_h200.json
 """
-import statistics
 import sys
 
 import record_cli
@@ -106,7 +105,8 @@ def main(argv=None):
     from w4a4_book.kernels import sm90_pg as pg
     from w4a4_book.records import provenance, save_record
     Clock, rows = clock_kernel_class(), []
-    for (M, N, K), R in [(s, a.rank) for s in SHAPES]:
+    R = a.rank
+    for M, N, K in SHAPES:
         w = make_workload(M, N, K, R, fmt="int4_pg")
         lib_launch, lib_out = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype)
         _, tensors, _, p, _ = gemm._launch(*w.operands, w.out_dtype, None, None)
