@@ -793,9 +793,10 @@ def epilogue(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas
         lcons.advance()
     views = self.store_views(st, loads, mmas.main, layouts, t, wgi, m, n)
     out = held if held is not None else self.packed_tile(views)
-    self.finish(reads, views, accf, tCcC, out)
-    if cutlass.const_expr(held is None):
-        self.write_tile(views, out, t, wgi)
+    for e in cutlass.range_constexpr(cute.size(out, mode=[1])):
+        self.finish(reads, views, accf, tCcC, out, e)
+        if cutlass.const_expr(held is None):
+            self.write_sub(views, out, t, wgi, e)              # each sub-tile stored as soon as it is finished
     return lcons
 
 @kernel_bundle
@@ -826,42 +827,40 @@ def packed_tile(self: W4A4GemmPg, views: StoreViews):
 
 @patch
 @cute.jit
-def finish(self: W4A4GemmPg, reads, views: StoreViews, accf, tCcC, out):
-    "The affine on `accf`, rounded to the output type into `out` (`packed_tile`'s), sub-tile by sub-tile in store order."
+def finish(self: W4A4GemmPg, reads, views: StoreViews, accf, tCcC, out, e):
+    "The affine on sub-tile `e` (in store order) of `accf`, rounded to the output type into `out[:, e]` (`packed_tile`'s)."
     tRS_acc = views.r2s.retile(accf)
     nD = cute.size(views.rD)
     rD = cute.make_rmem_tensor(views.rD, cutlass.Float32)
-    for e in cutlass.range_constexpr(cute.size(out, mode=[1])):
-        for v in cutlass.range_constexpr(nD):
-            i = cute.crd2idx(e * nD + v, tRS_acc.layout)
-            nl, _ = tCcC[i]
-            x = accf[i]
-            if cutlass.const_expr(self.has_scale):
-                x = x * reads.wcscales(nl)
-            if cutlass.const_expr(self.has_bias):
-                x = x + reads.bias(nl)
-            rD[v] = x
-        cute.make_tensor(out[(None, e)].iterator, views.rD).store(rD.load().to(self.c_dtype))
+    for v in cutlass.range_constexpr(nD):
+        i = cute.crd2idx(e * nD + v, tRS_acc.layout)
+        nl, _ = tCcC[i]
+        x = accf[i]
+        if cutlass.const_expr(self.has_scale):
+            x = x * reads.wcscales(nl)
+        if cutlass.const_expr(self.has_bias):
+            x = x + reads.bias(nl)
+        rD[v] = x
+    cute.make_tensor(out[(None, e)].iterator, views.rD).store(rD.load().to(self.c_dtype))
 
 @patch
 @cute.jit
-def write_tile(self: W4A4GemmPg, views: StoreViews, out, t, wgi):
-    "A finished tile (`out`) → shared memory (`stmatrix`, transposed) → global (TMA), through a ring of sub-tiles."
+def write_sub(self: W4A4GemmPg, views: StoreViews, out, t, wgi, e):
+    "Finished sub-tile `e` of `out` → shared memory (`stmatrix`, transposed) → global (TMA), through the ring of sub-tiles."
     E = self.estages
     sync = lambda: cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
-    for e in cutlass.range_constexpr(cute.size(out, mode=[1])):
-        if cutlass.const_expr(e == 0 or e >= E):
-            # the store that last read this sub-tile's buffer (E sub-tiles ago, or the previous tile's) is done reading
-            if t == 0:
-                cute.arch.cp_async_bulk_wait_group(0 if e == 0 else E - 1, read=True)
-            sync()
-        buf = wgi * E + e % E
-        cute.copy(views.r2s, cute.make_tensor(out[(None, e)].iterator, views.rD), views.sC[(None, None, None, buf)])
-        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        sync()                                                                   # the sub-tile is in shared memory
+    if cutlass.const_expr(e == 0 or e >= E):
+        # the store that last read this sub-tile's buffer (E sub-tiles ago, or the previous tile's) is done reading
         if t == 0:
-            cute.copy(views.tma, views.bSG_sC[(None, buf)], views.bSG_gC[(None, views.order.get_hier_coord(e))])
-            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0 if e == 0 else E - 1, read=True)
+        sync()
+    buf = wgi * E + e % E
+    cute.copy(views.r2s, cute.make_tensor(out[(None, e)].iterator, views.rD), views.sC[(None, None, None, buf)])
+    cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+    sync()                                                                   # the sub-tile is in shared memory
+    if t == 0:
+        cute.copy(views.tma, views.bSG_sC[(None, buf)], views.bSG_gC[(None, views.order.get_hier_coord(e))])
+        cute.arch.cp_async_bulk_commit_group()
 
 @patch
 def held_tile(self: W4A4GemmPg, st, loads: PgLoads, mma, layouts: PgLayouts, t, wgi):
@@ -875,7 +874,9 @@ def held_tile(self: W4A4GemmPg, st, loads: PgLoads, mma, layouts: PgLayouts, t, 
 def write_held(self: W4A4GemmPg, st, loads: PgLoads, mma, layouts: PgLayouts, held, t, wgi, m, n, has):
     "Store the held tile `(m, n)`, if there is one (`has`): `kloop`'s `after_first` under `epi_deferred`, and once after the last tile."
     if has != 0:
-        self.write_tile(self.store_views(st, loads, mma, layouts, t, wgi, m, n), held, t, wgi)
+        views = self.store_views(st, loads, mma, layouts, t, wgi, m, n)
+        for e in cutlass.range_constexpr(cute.size(held, mode=[1])):
+            self.write_sub(views, held, t, wgi, e)
 
 
 # %% ../../nbs/05b_pg.ipynb #b6a6cc87
