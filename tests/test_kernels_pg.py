@@ -20,7 +20,8 @@ SMEM_VECTORS = dict(epi_vectors="smem")
                                    (dict(cluster_n=2, lora_accounting="pair"), 128), (SMEM_VECTORS, 32), (SMEM_VECTORS, 0),
                                    (dict(SMEM_VECTORS, cluster_n=2), 128), (dict(SMEM_VECTORS, tile_m=128), 256),
                                    (dict(SMEM_VECTORS, tile_m=224), 32), (dict(SMEM_VECTORS, tile_m=224, cluster_n=2), 128),
-                                   (dict(tile_m=192), 0)])
+                                   (dict(tile_m=192), 0), (dict(SMEM_VECTORS, tile_m=208, epi_tile_m=16, epi_deferred=True), 32),
+                                   (dict(SMEM_VECTORS, tile_m=224, epi_deferred=True, cluster_n=2), 128)])
 def test_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
     rep = gemm.compile_kernel(HopperPgConfig(**kw), pg_problem(4352, 3072, 3840, R))
     check_compiled(rep, R, a_in_registers=True)
@@ -253,6 +254,29 @@ def test_v1_two_stages_and_several_m_through_one_kernel():
         torch.cuda.synchronize()
         check_exact(out, case, torch.bfloat16)
     assert len(gemm._compiled) - before == 1
+
+
+def test_deferred_store_is_refused_where_it_has_no_place():
+    "Only the register-decode kernel on whole tiles holds a tile's output; its variants refuse `epi_deferred` by name."
+    for cls in (HopperPgV1Config, HopperPgStreamKConfig, HopperPgSmemConfig):
+        with pytest.raises(ValueError, match="^epi_deferred"):
+            smem.check_config(cls(epi_deferred=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K, R, tile_m, cluster_n", [(4352, 3072, 3840, 32, 208, 1), (300, 512, 1024, 64, 224, 1),
+                                                          (300, 512, 128, 16, 64, 1), (513, 3072, 256, 0, 208, 2),
+                                                          (64, 256, 256, 16, 64, 1)])
+def test_deferred_store_matches_exact_reference(M, N, K, R, tile_m, cluster_n):
+    "`epi_deferred`: each tile stored during the next one's first block, the last after the loop; one K-block, one tile a CTA and a pair included."
+    case = make_pg_case(M, N, K, R, torch.bfloat16, True, seed=M + K)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = HopperPgConfig(tile_m=tile_m, epi_tile_m=32 if tile_m % 32 == 0 else 16, cluster_n=cluster_n, epi_deferred=True, epi_vectors="smem")
+    gemm.gemm_w4a4(*case, config=cfg, out=out)
+    torch.cuda.synchronize()
+    check_exact(out, case, torch.bfloat16)
+    again = gemm.gemm_w4a4(*case, config=replace(cfg, epi_deferred=False))
+    assert torch.equal(out, again), "holding a tile changes when it is stored, not what"
 
 
 @pytest.mark.gpu

@@ -143,7 +143,7 @@ def test_config_fields_set_after_the_choice():
             ncu_stalls.kernel_config("v2", "int4_pg", None, [bad])
 
 
-@pytest.mark.parametrize("tool", ["stream_k_gemm", "epilogue_gemm", "tile_heights"])
+@pytest.mark.parametrize("tool", ["stream_k_gemm", "epilogue_gemm", "tile_heights", "deferred_store"])
 def test_gemm_timing_tools_run_on_stand_ins(tool, monkeypatch, tmp_path):
     "The GEMM-alone tools, end to end, with the GPU's parts (workload, launch, timer, provenance) stood in for: every row saved."
     import sys, torch

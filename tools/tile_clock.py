@@ -38,9 +38,9 @@ def clock_kernel_class():
         arguments = staticmethod(pg.pg_sk_arguments)
         tensors = staticmethod(pg.pg_sk_tensors)
 
-        def unit_kloop(self, mmas, acc, frags, tCrB, dv, pipe, states, fill, kt):
+        def unit_kloop(self, mmas, acc, frags, tCrB, dv, pipe, states, fill, kt, after_first=None):
             self._marks = [special("clock"), special("globaltimer_lo")]
-            out = super().unit_kloop(mmas, acc, frags, tCrB, dv, pipe, states, fill, kt)
+            out = super().unit_kloop(mmas, acc, frags, tCrB, dv, pipe, states, fill, kt, after_first)
             self._marks.append(special("clock"))
             return out
 
@@ -49,10 +49,10 @@ def clock_kernel_class():
             self._marks.append(special("clock"))
             return out
 
-        @cute.jit
-        def store(self, st, loads, reads, mma, layouts, accf, tCcC, t, wgi, m, n):
-            self._marks.append(special("clock"))
-            super().store(st, loads, reads, mma, layouts, accf, tCcC, t, wgi, m, n)
+        def finish(self, reads, views, accf, tCcC, out, e):
+            if e == 0:                                  # the tile's first sub-tile: the affine and the stores begin
+                self._marks.append(special("clock"))
+            super().finish(reads, views, accf, tCcC, out, e)
 
         @cute.jit
         def unit_end(self, st, loads, vecs, mmas, layouts, lora_pipe, lcons, accs, pre, where, m, n, M, role):

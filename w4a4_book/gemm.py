@@ -145,10 +145,11 @@ def cluster_size(config) -> int:
 DEFAULT_NUM_SMS = 132                            # H100 and H200 SXM: what a compile (or choice) without a GPU assumes
 MIN_STAGES = 3                                   # main stages a default config keeps (see above)
 MIN_WAVE_FILL = 0.9                              # the share of the SMs' first wave a tile grid must fill (see above)
-# per config class, the (activation-tile height, epi_tile_m, epi_stages, epi_vectors) a default config tries, in order
-TILE_CHOICES = {smem.HopperPgConfig: ((256, 64, 2, "smem"), (256, 32, 2, "smem"), (256, 32, 1, "smem"), (256, 32, 1, "global"),
-                                      (224, 32, 2, "smem"), (208, 16, 2, "smem"), (192, 32, 2, "smem"),
-                                      (128, 32, 2, "smem"), (64, 32, 2, "smem"))}
+# per config class, the (activation-tile height, epi_tile_m, epi_stages, epi_vectors, epi_deferred) a default config
+# tries, in order. NOTES: a 256-row tile's held output spills (ptxas), so only the lower tiles defer their store.
+TILE_CHOICES = {smem.HopperPgConfig: ((256, 64, 2, "smem", False), (256, 32, 2, "smem", False), (256, 32, 1, "smem", False),
+                                      (256, 32, 1, "global", False), (224, 32, 2, "smem", True), (208, 16, 2, "smem", True),
+                                      (192, 32, 2, "smem", True), (128, 32, 2, "smem", True), (64, 32, 2, "smem", True))}
 
 @functools.lru_cache(maxsize=4096)     # NOTES: a pure function, on every unbound launch's path: it solves each candidate's budget
 def tile_choice(config, problem, num_sms=None):
@@ -157,8 +158,8 @@ def tile_choice(config, problem, num_sms=None):
     waves, then the lowest, then the first; where none fills the SMs, among those keeping the most stages up to
     `MIN_STAGES`, the one with the most tiles."""
     sms, best, fits = num_sms or DEFAULT_NUM_SMS, None, []
-    for tm, epi_tm, epi, vectors in TILE_CHOICES.get(type(config), ()):
-        c = replace(config, tile_m=tm, epi_tile_m=epi_tm, epi_stages=epi, epi_vectors=vectors)
+    for tm, epi_tm, epi, vectors, deferred in TILE_CHOICES.get(type(config), ()):
+        c = replace(config, tile_m=tm, epi_tile_m=epi_tm, epi_stages=epi, epi_vectors=vectors, epi_deferred=deferred)
         try:
             stages = smem.solve(bind(c, problem), k=problem.K).stages["main"]
         except ValueError:                       # not even one stage fits

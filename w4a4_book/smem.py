@@ -216,6 +216,7 @@ class HopperPgConfig:
     scale_dtype: str = "uint8"      # the weights' u
     epi_stages: int = 2             # output sub-tiles in flight per MMA warpgroup (a ring, stored by TMA)
     epi_tile_m: int = 32            # activation rows of an output sub-tile (it has 64 weight rows)
+    epi_deferred: bool = False      # hold a tile's finished output in registers and store it while the next tile's first block runs
     epi_vectors: str = "global"     # the epilogue's bases, wcscales and bias: read from global, or staged in shared memory ("smem")
     lora_accounting: str = "per_cta"
     stages: int | None = None
@@ -388,6 +389,7 @@ def _check_hopper_pg(cfg):
     _choice(cfg, "out_dtype", ("bfloat16", "float16"))
     _choice(cfg, "lora_dtype", ("bfloat16", "float16"))
     _choice(cfg, "scale_dtype", ("uint8",))
+    _choice(cfg, "epi_deferred", (False, True))
     _choice(cfg, "epi_vectors", ("smem", "global"))
     if cfg.lora_chunk is not None:
         _int(cfg, "lora_chunk", 16, 256, 16, "whole 16-deep MMAs of the LoRA product")
@@ -396,16 +398,19 @@ def _check_hopper_pg(cfg):
 
 def _check_hopper_pg_v1(cfg):
     _check_hopper_pg(cfg)
+    _choice(cfg, "epi_deferred", (False,), "only the register-decode kernel on whole tiles holds a tile's output")
     _int(cfg, "tile_m", 64, 256, 64, "v1 is verified on whole 64-row blocks of activations")
     if lora_chunk_of(cfg) != cfg.lora_rank:
         raise ValueError(f"lora_chunk={cfg.lora_chunk}: v1 loads a tile's LoRA blocks whole, before its K-loop")
 
 def _check_hopper_pg_sk(cfg):
     _check_hopper_pg(cfg)
+    _choice(cfg, "epi_deferred", (False,), "only the register-decode kernel on whole tiles holds a tile's output")
     _int(cfg, "cluster_n", 1, 1, why="the stream-K schedule runs one CTA a cluster (no pair shares its K-blocks)")
 
 def _check_hopper_pg_smem(cfg):
     _check_hopper_pg(cfg)
+    _choice(cfg, "epi_deferred", (False,), "only the register-decode kernel on whole tiles holds a tile's output")
     _int(cfg, "tile_m", 64, 128, 64, "512 threads leave each 128 registers at launch, and a 64 x tile_m int32 accumulator takes tile_m / 2")
     _int(cfg, "decode_stages", 1, 4)
 

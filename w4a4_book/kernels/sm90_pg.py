@@ -7,8 +7,8 @@ __all__ = ['TILE_N', 'TILE_K', 'WORDS_W', 'WORDS_U', 'SIGN_SEL', 'TABLE_WORDS', 
            'SK_SLOTS', 'SK_WORDS', 'PG_ROLES', 'DECODE', 'WORD_DECODE', 'SMEM_ROLES', 'PG_V1_ROLES', 'decode_lookup',
            'prepack_weights', 'prmt_ref', 'decode_word_ref', 'PgTensors', 'pg_arguments', 'sk_arguments', 'pg_tensors',
            'sk_tensors', 'PgLoads', 'PgLayouts', 'W4A4GemmPg', 'PgMmas', 'PgVectors', 'PgCta', 'PgTileCopies', 'prmt',
-           'fence_operand', 'lookup_row', 'decode_word', 'PgDecodeViews', 'EpiReads', 'W4A4GemmPgSmem', 'W4A4GemmPgV1',
-           'pg_sk_arguments', 'pg_sk_tensors', 'W4A4GemmPgStreamK']
+           'fence_operand', 'lookup_row', 'decode_word', 'PgDecodeViews', 'EpiReads', 'StoreViews', 'W4A4GemmPgSmem',
+           'W4A4GemmPgV1', 'pg_sk_arguments', 'pg_sk_tensors', 'W4A4GemmPgStreamK']
 
 # %% ../../nbs/05b_pg.ipynb #bf3d93c4
 import dataclasses
@@ -600,13 +600,16 @@ def block_step(self: W4A4GemmPg, mmas, acc, cur, nxt, tCrB, dv: PgDecodeViews, p
 # %% ../../nbs/05b_pg.ipynb #81752ad7
 @patch
 @cute.jit
-def kloop(self: W4A4GemmPg, mmas, acc, F0, F1, tCrB, dv: PgDecodeViews, pipe, cons, rel, fill=None):
+def kloop(self: W4A4GemmPg, mmas, acc, F0, F1, tCrB, dv: PgDecodeViews, pipe, cons, rel, fill=None, after_first=None):
     """Every K-block of one tile into `acc`, with blocks decoded one ahead; on return all wgmmas are done and every stage
-    released. `fill` (v1 only: `first_loads`'s answer) lets MMA warp 0 refill each stage it frees."""
+    released. `fill` (v1 only: `first_loads`'s answer) lets MMA warp 0 refill each stage it frees; `after_first` (a
+    traced function) runs once the first block's wgmmas are issued, while they run."""
     KT, F = self.k_tiles, (F0, F1)
     pipe.consumer_wait(cons)
     self.load_decode(dv, F[0], cons.index)
     self.mma_block(mmas, acc, F[0], tCrB, cons.index, first=True)
+    if cutlass.const_expr(after_first is not None):
+        after_first()
     cons.advance()
     if cutlass.const_expr(KT > 1):
         pipe.consumer_wait(cons)
@@ -669,11 +672,18 @@ def mma_role(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas
     rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
     lcons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.lstages)
     fill = self.first_loads(st, loads, layouts, load_pipe, lora_pipe, cta)
+    held = self.held_tile(st, loads, mmas.main, layouts, t, wgi)          # epi_deferred: the last tile's output, packed
+    later = () if held is None else (held,)
+    mh, nh, has = cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0)  # the held tile's coordinates, and whether there is one
     for i in cutlass.range(cta.my_tiles, unroll=1):
         m, n, _, kt, role = self.unit(cta, i)
         pre = self.prefetch_vectors(vecs, t, wgi, m, n, M)
-        cons, rel = self.unit_kloop(mmas, acc, (F0, F1), tCrB, dv, load_pipe, (cons, rel), fill, kt)
-        lcons = self.unit_end(st, loads, vecs, mmas, layouts, lora_pipe, lcons, (acc, tCcC, lora_frags), pre, (t, wgi, cta), m, n, M, role)
+        flush = lambda: self.write_held(st, loads, mmas.main, layouts, held, t, wgi, mh, nh, has)
+        cons, rel = self.unit_kloop(mmas, acc, (F0, F1), tCrB, dv, load_pipe, (cons, rel), fill, kt, *(() if held is None else (flush,)))
+        lcons = self.unit_end(st, loads, vecs, mmas, layouts, lora_pipe, lcons, (acc, tCcC, lora_frags), pre, (t, wgi, cta), m, n, M, role, *later)
+        mh, nh, has = m, n, cutlass.Int32(1)
+    if cutlass.const_expr(held is not None):
+        self.write_held(st, loads, mmas.main, layouts, held, t, wgi, mh, nh, has)
     if t == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)      # the last stores have read shared memory before the CTA exits
 
@@ -696,17 +706,17 @@ def unit_lora(self: W4A4GemmPg, st, loads, layouts, lora_pipe, lprod, rank, mask
     return self.load_lora(st, loads, layouts, lora_pipe, lprod, rank, mask, m, n)
 
 @patch
-def unit_kloop(self: W4A4GemmPg, mmas, acc, frags, tCrB, dv, pipe, states, fill, kt):
-    "A unit's K-loop: here `kloop` over all `k_tiles` blocks; returns `(cons, rel)`."
+def unit_kloop(self: W4A4GemmPg, mmas, acc, frags, tCrB, dv, pipe, states, fill, kt, after_first=None):
+    "A unit's K-loop: here `kloop` over all `k_tiles` blocks (`after_first`: `kloop`'s); returns `(cons, rel)`."
     assert kt == self.k_tiles, "a whole-tile schedule's units are whole tiles"
-    return self.kloop(mmas, acc, *frags, tCrB, dv, pipe, *states, fill)
+    return self.kloop(mmas, acc, *frags, tCrB, dv, pipe, *states, fill, after_first)
 
 @patch
-def unit_end(self: W4A4GemmPg, st, loads, vecs, mmas, layouts, lora_pipe, lcons, accs, pre, where, m, n, M, role):
-    "After a unit's K-loop: here the epilogue of its tile; returns the LoRA consumer state."
+def unit_end(self: W4A4GemmPg, st, loads, vecs, mmas, layouts, lora_pipe, lcons, accs, pre, where, m, n, M, role, held=None):
+    "After a unit's K-loop: here the epilogue of its tile (into `held`, not stored, with `epi_deferred`); returns the LoRA consumer state."
     acc, tCcC, lora_frags = accs
     t, wgi, _ = where
-    return self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, pre, t, wgi, m, n, M)
+    return self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, pre, t, wgi, m, n, M, held)
 
 
 # %% ../../nbs/05b_pg.ipynb #923481e2
@@ -763,8 +773,9 @@ def epi_reads(self: W4A4GemmPg, st, layouts: PgLayouts, vecs: PgVectors, pre, t,
 @patch
 @cute.jit
 def epilogue(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layouts: PgLayouts, lora_pipe, lcons,
-             acc, tCcC, lora_frags, pre, t, wgi, m, n, M):
-    "Scale, LoRA, affine and store one tile (`pre`: `prefetch_vectors`'s answer); returns the LoRA consumer state."
+             acc, tCcC, lora_frags, pre, t, wgi, m, n, M, held=None):
+    """Scale, LoRA, affine and store one tile (`pre`: `prefetch_vectors`'s answer); with `held` (`held_tile`'s), the
+    finished tile goes into it and is stored later (`write_held`). Returns the LoRA consumer state."""
     reads = self.epi_reads(st, layouts, vecs, pre, t, wgi, m, n, M)
     accf = cute.recast_tensor(acc, cutlass.Float32)
     for i in cutlass.range_constexpr(cute.size(acc)):
@@ -780,53 +791,93 @@ def epilogue(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas
         cute.nvgpu.warpgroup.wait_group(0)
         lora_pipe.consumer_release(lcons)
         lcons.advance()
-    self.store(st, loads, reads, mmas.main, layouts, accf, tCcC, t, wgi, m, n)
+    views = self.store_views(st, loads, mmas.main, layouts, t, wgi, m, n)
+    out = held if held is not None else self.packed_tile(views)
+    for e in cutlass.range_constexpr(cute.size(out, mode=[1])):
+        self.finish(reads, views, accf, tCcC, out, e)
+        if cutlass.const_expr(held is None):
+            self.write_sub(views, out, t, wgi, e)              # each sub-tile stored as soon as it is finished
     return lcons
 
+@kernel_bundle
+class StoreViews(NamedTuple):
+    "One tile's output path: the `stmatrix` copy, its shared-memory ring `(R2S, R2S_M, R2S_N, 2·E)` and register layout, the TMA store, its views of the ring and of the tile's sub-tiles in C, their order."
+    r2s: object; sC: object; rD: object; tma: object; bSG_sC: object; bSG_gC: object; order: object
+
 @patch
-@cute.jit
-def store(self: W4A4GemmPg, st, loads: PgLoads, reads, mma, layouts: PgLayouts, accf, tCcC, t, wgi, m, n):
-    "The affine, then registers → shared memory (`stmatrix`, transposed) → global (TMA), through a ring of sub-tiles."
-    E, c_dtype = self.estages, self.c_dtype
-    sync = lambda: cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
+def store_views(self: W4A4GemmPg, st, loads: PgLoads, mma, layouts: PgLayouts, t, wgi, m, n) -> StoreViews:
+    "Thread `t` of warpgroup `wgi`: the views through which tile `(m, n)`'s output goes to global memory."
+    c_dtype = self.c_dtype
     sC = st.epilogue.get_tensor(layouts.epilogue.outer, swizzle=layouts.epilogue.inner)    # (64, EPI_M, 2·E)
     atom_r2s = sm90_utils.sm90_get_smem_store_op(utils.LayoutEnum.COL_MAJOR, elem_ty_d=c_dtype, elem_ty_acc=cutlass.Float32)
     atom_c = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), c_dtype)
     tiled_r2s = cute.make_tiled_copy_S(atom_r2s, cute.make_tiled_copy_C_atom(atom_c, mma))
     thr_r2s = tiled_r2s.get_slice(t)
     tRS_sC = thr_r2s.partition_D(sC)                                           # (R2S, R2S_M, R2S_N, 2·E)
-    tRS_acc = tiled_r2s.retile(accf)
     rD_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sC))[:3])
-    rD = cute.make_rmem_tensor(rD_layout, cutlass.Float32)
-    nD = cute.size(rD)
     gC_epi = cute.zipped_divide(cute.local_tile(loads.c_g, (TILE_N // 2, self.bm), (n * 2 + wgi, m)), self.epi_tile)
     bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(loads.c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
-    n_epi = cute.size(gC_epi, mode=[1])
     epi_order = cute.make_layout(gC_epi.shape[1], stride=(gC_epi.shape[1][1], 1))
-    for e in cutlass.range_constexpr(n_epi):
-        if cutlass.const_expr(e == 0 or e >= E):
-            # the store that last read this sub-tile's buffer (E sub-tiles ago, or the previous tile's) is done reading
-            if t == 0:
-                cute.arch.cp_async_bulk_wait_group(0 if e == 0 else E - 1, read=True)
-            sync()
-        for v in cutlass.range_constexpr(nD):
-            i = cute.crd2idx(e * nD + v, tRS_acc.layout)
-            nl, _ = tCcC[i]
-            x = accf[i]
-            if cutlass.const_expr(self.has_scale):
-                x = x * reads.wcscales(nl)
-            if cutlass.const_expr(self.has_bias):
-                x = x + reads.bias(nl)
-            rD[v] = x
-        out = cute.make_rmem_tensor(rD_layout, c_dtype)
-        out.store(rD.load().to(c_dtype))
-        buf = wgi * E + e % E
-        cute.copy(tiled_r2s, out, tRS_sC[(None, None, None, buf)])
-        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        sync()                                                                   # the sub-tile is in shared memory
+    return StoreViews(tiled_r2s, tRS_sC, rD_layout, loads.c, bSG_sC, bSG_gC, epi_order)
+
+@patch
+def packed_tile(self: W4A4GemmPg, views: StoreViews):
+    "Registers for one tile's finished output in the output type: `(R2S values, sub-tile)`."
+    return cute.make_rmem_tensor((cute.size(views.rD), self.bm // self.epi_tile[1]), self.c_dtype)
+
+@patch
+@cute.jit
+def finish(self: W4A4GemmPg, reads, views: StoreViews, accf, tCcC, out, e):
+    "The affine on sub-tile `e` (in store order) of `accf`, rounded to the output type into `out[:, e]` (`packed_tile`'s)."
+    tRS_acc = views.r2s.retile(accf)
+    nD = cute.size(views.rD)
+    rD = cute.make_rmem_tensor(views.rD, cutlass.Float32)
+    for v in cutlass.range_constexpr(nD):
+        i = cute.crd2idx(e * nD + v, tRS_acc.layout)
+        nl, _ = tCcC[i]
+        x = accf[i]
+        if cutlass.const_expr(self.has_scale):
+            x = x * reads.wcscales(nl)
+        if cutlass.const_expr(self.has_bias):
+            x = x + reads.bias(nl)
+        rD[v] = x
+    cute.make_tensor(out[(None, e)].iterator, views.rD).store(rD.load().to(self.c_dtype))
+
+@patch
+@cute.jit
+def write_sub(self: W4A4GemmPg, views: StoreViews, out, t, wgi, e):
+    "Finished sub-tile `e` of `out` → shared memory (`stmatrix`, transposed) → global (TMA), through the ring of sub-tiles."
+    E = self.estages
+    sync = lambda: cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
+    if cutlass.const_expr(e == 0 or e >= E):
+        # the store that last read this sub-tile's buffer (E sub-tiles ago, or the previous tile's) is done reading
         if t == 0:
-            cute.copy(loads.c, bSG_sC[(None, buf)], bSG_gC[(None, epi_order.get_hier_coord(e))])
-            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0 if e == 0 else E - 1, read=True)
+        sync()
+    buf = wgi * E + e % E
+    cute.copy(views.r2s, cute.make_tensor(out[(None, e)].iterator, views.rD), views.sC[(None, None, None, buf)])
+    cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+    sync()                                                                   # the sub-tile is in shared memory
+    if t == 0:
+        cute.copy(views.tma, views.bSG_sC[(None, buf)], views.bSG_gC[(None, views.order.get_hier_coord(e))])
+        cute.arch.cp_async_bulk_commit_group()
+
+@patch
+def held_tile(self: W4A4GemmPg, st, loads: PgLoads, mma, layouts: PgLayouts, t, wgi):
+    "With `epi_deferred`, registers that hold a finished tile until the next tile's first block runs; None otherwise."
+    if not self.cfg.epi_deferred:
+        return None
+    return self.packed_tile(self.store_views(st, loads, mma, layouts, t, wgi, 0, 0))
+
+@patch
+@cute.jit
+def write_held(self: W4A4GemmPg, st, loads: PgLoads, mma, layouts: PgLayouts, held, t, wgi, m, n, has):
+    "Store the held tile `(m, n)`, if there is one (`has`): `kloop`'s `after_first` under `epi_deferred`, and once after the last tile."
+    if has != 0:
+        views = self.store_views(st, loads, mma, layouts, t, wgi, m, n)
+        for e in cutlass.range_constexpr(cute.size(held, mode=[1])):
+            self.write_sub(views, held, t, wgi, e)
+
 
 # %% ../../nbs/05b_pg.ipynb #b6a6cc87
 SMEM_ROLES = WarpRoles(load_warp=0, decode_warps=(4, 5, 6, 7), mma_warps=tuple(range(8, 16)), load_regs=24,
