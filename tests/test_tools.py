@@ -161,3 +161,28 @@ def test_gemm_timing_tools_run_on_stand_ins(tool, monkeypatch, tmp_path):
     module.main(["--out", str(tmp_path / "r.json"), "--iters", "3"])
     want = sum(len(module.configs(*s, 32)) for s in module.SHAPES)
     assert len(saved["rows"]) == want and saved["prov"]["command"].startswith(f"python tools/{tool}.py --out nbs/data/r.json")
+
+
+def test_gpu_clocks_runs_on_stand_ins(monkeypatch, tmp_path):
+    "tools/gpu_clocks.py end to end with `nvidia-smi` and the GEMMs stood in for: a row per GEMM and shape, idle samples left out."
+    import subprocess
+    import w4a4_book.records as recs
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
+    gpu_clocks = importlib.import_module("gpu_clocks")
+    lines = "1650, 1980, 690.5, 700.00, 60, 0x0000000000000004\n1700, 1980, 650.0, 700.00, 61, 0x0000000000000000\n345, 1980, 80.0, 700.00, 50, 0x0000000000000001\n"
+
+    class Smi:
+        def __init__(self, cmd, **k): assert cmd[0] == "nvidia-smi" and "-lms" in cmd
+        def terminate(self): pass
+        def communicate(self): return lines, None
+    monkeypatch.setattr(subprocess, "Popen", Smi)
+    monkeypatch.setattr(gpu_clocks, "launchers", lambda *a: dict(w4a4_pg=None, torch_fp8_gemm=None))
+    monkeypatch.setattr(gpu_clocks, "graph_of", lambda fn: (lambda: None))
+    monkeypatch.setattr(recs, "provenance", lambda command, *a, **k: dict(command=command))
+    saved = {}
+    monkeypatch.setattr(recs, "save_record", lambda path, prov, rows: saved.update(prov=prov, rows=rows) or path)
+    gpu_clocks.main(["--out", str(tmp_path / "c.json"), "--seconds", "0"])
+    rows = saved["rows"]
+    assert len(rows) == 2 * len(gpu_clocks.SHAPES) and {r["samples"] for r in rows} == {2}
+    assert rows[0]["sm_clock_mhz"] == 1675 and rows[0]["reason_share"]["sw_power_cap"] == 0.5
+    assert saved["prov"]["command"] == "python tools/gpu_clocks.py --out nbs/data/c.json --seconds 0"

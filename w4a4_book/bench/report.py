@@ -310,7 +310,7 @@ def lora_line(rows: list[dict]) -> str:
     return ". ".join(parts) + "."
 
 # %% ../../nbs/09b_report.ipynb #c528aaac
-LAYER_README_RECORDS = ("layer_h200_graph_m256_fast_u.json", "layer_h200_graph_m1024_subtiles.json", "layer_h200_graph_m4352_subtiles.json")   # the whole layer, CUDA-graph replays, newest
+LAYER_README_RECORDS = ("layer_h200_graph_m256_deferred.json", "layer_h200_graph_m1024_deferred.json", "layer_h200_graph_m4352_deferred.json")   # the whole layer, CUDA-graph replays, newest
 LAYER_README_PATHS = {"torch_bf16": "torch bf16", "torch_fp8_compiled": "torch FP8 (quantization compiled)",
                       "w4a4_pg": "W4A4 (int4_pg)", "w4a4_pg_w4a8": "W4A8 (int4_pg weights)"}
 
