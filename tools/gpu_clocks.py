@@ -33,6 +33,8 @@ def summary(samples: list) -> dict:
     "The busy samples' median clock and power, the clock's maximum and the power limit, and how often each reason held."
     import statistics
     busy = [s for s in samples if not int(s["clocks_event_reasons.active"], 16) & 0x1]
+    if not busy:
+        raise RuntimeError(f"nvidia-smi gave no sample with the GPU busy ({len(samples)} in all): run for more --seconds")
     med = lambda f: statistics.median(float(s[f]) for s in busy)
     reasons = {name: sum(bool(int(s["clocks_event_reasons.active"], 16) & bit) for s in busy) / len(busy)
                for bit, name in REASONS.items()}
