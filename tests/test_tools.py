@@ -186,3 +186,34 @@ def test_gpu_clocks_runs_on_stand_ins(monkeypatch, tmp_path):
     assert len(rows) == 2 * len(gpu_clocks.SHAPES) and {r["samples"] for r in rows} == {2}
     assert rows[0]["sm_clock_mhz"] == 1675 and rows[0]["reason_share"]["sw_power_cap"] == 0.5
     assert saved["prov"]["command"] == "python tools/gpu_clocks.py --out nbs/data/c.json --seconds 0"
+
+
+gpu_checks_spec = importlib.util.spec_from_file_location("gpu_checks", Path(__file__).resolve().parent.parent / "tools"
+                                                         / "gpu_checks.py")
+gpu_checks = importlib.util.module_from_spec(gpu_checks_spec)
+gpu_checks_spec.loader.exec_module(gpu_checks)
+
+
+def test_gpu_checks_cover_every_registered_sm90_kernel():
+    "The sanitizer's cases: a valid config of every registered sm_90a kernel, and each activation format."
+    from w4a4_book import smem
+    cases = gpu_checks.gemm_cases()
+    for config, R in cases.values():
+        smem.check_config(config)
+    registered = {s.key for s in gemm.REGISTRY.values() if s.arch == "sm_90a"}
+    assert {gemm.spec_for(c).key for c, _ in cases.values()} == registered
+    assert set(gpu_checks.ACTIVATION_CASES.values()) == set(gemm.ACTIVATION_FORMATS)
+
+
+def test_gpu_checks_parse_sanitizer_and_junit(tmp_path):
+    text = ("========= COMPUTE-SANITIZER\n========= Error: Race reported between Write access at f+0x10\n"
+            "========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 2 warnings)\n========= ERROR SUMMARY: 1 error\n")
+    assert gpu_checks.parse_sanitizer(text) == dict(errors=1, hazards=3, hazard_errors=1, hazard_warnings=2)
+    assert gpu_checks.parse_sanitizer("========= ERROR SUMMARY: 0 errors\n") == dict(errors=0)
+    assert gpu_checks.parse_sanitizer("Traceback (most recent call last)") == dict(errors=None)
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite tests="4" failures="1" errors="0" skipped="1">'
+                   '<testcase classname="tests.test_a" name="test_x"><failure/></testcase>'
+                   '<testcase classname="tests.test_a" name="test_y"/></testsuite></testsuites>')
+    assert gpu_checks.parse_junit(xml) == dict(tests=4, failures=1, errors=0, skipped=1, passed=2,
+                                               failed=["tests/test_a.py::test_x"])
