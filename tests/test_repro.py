@@ -25,8 +25,8 @@ def test_accounting_rows_fix_never_has_fewer_stages():
     rows = repro.accounting_rows()
     by = {(r["config"], r["accounting"]): r for r in rows}
     configs = {r["config"] for r in rows}
-    # Hopper int4 v2, the int4_pg kernel at two tiles and Blackwell, at each rank, both modes
-    assert len(configs) == 4 * len(repro.LORA_BUG_RANKS) and len(rows) == 2 * len(configs)
+    # Hopper int4 v2 and the int4_pg kernel at two tiles, at each rank, both modes
+    assert len(configs) == len(repro.LORA_BUG_CONFIGS) * len(repro.LORA_BUG_RANKS) and len(rows) == 2 * len(configs)
     for c in configs:
         bug, fix = by[c, repro.BUG], by[c, repro.FIX]
         if fix["main_stages"] == 0:                  # R=256: not one stage fits even under the fix
@@ -40,18 +40,16 @@ def test_accounting_rows_fix_never_has_fewer_stages():
         assert bug["phantom"] == bug["charged"] - bug["allocated"] > 0, c
 
 
-def test_accounting_rows_known_hopper_and_blackwell_stages():
+def test_accounting_rows_known_hopper_stages():
     st = {(r["config"], r["accounting"]): r["main_stages"] for r in repro.accounting_rows()}
-    assert (st["hopper v2 2-CTA R=128", "per_cta"], st["hopper v2 2-CTA R=128", "pair"]) == (3, 1)
-    assert (st["hopper v2 2-CTA R=32", "per_cta"], st["hopper v2 2-CTA R=32", "pair"]) == (6, 6)
-    assert (st["blackwell orig 256x256 R=128", "per_cta"], st["blackwell orig 256x256 R=128", "pair"]) == (3, 2)
+    assert (st["v2 int4 2-CTA 128x128 R=128", "per_cta"], st["v2 int4 2-CTA 128x128 R=128", "pair"]) == (3, 1)
+    assert (st["v2 int4 2-CTA 128x128 R=32", "per_cta"], st["v2 int4 2-CTA 128x128 R=32", "pair"]) == (6, 6)
 
 
 def test_accounting_rows_single_cta_has_no_bug():
     rows = repro.accounting_rows(cluster_n=1)
-    hopper = [r for r in rows if r["config"].startswith("hopper")]
-    assert hopper and all(r["phantom"] == 0 for r in hopper if r["main_stages"])
-    assert all(r["main_stages"] or "note" in r for r in hopper)
+    assert rows and all(r["phantom"] == 0 for r in rows if r["main_stages"])
+    assert all(r["main_stages"] or "note" in r for r in rows)
 
 
 @pytest.mark.parametrize("kw, match", [(dict(ranks=(24,)), "lora_rank=24"), (dict(ranks=32), "ranks"),
@@ -62,9 +60,86 @@ def test_accounting_rows_rejects_bad_input(kw, match):
 
 
 def test_bug_and_fix_are_the_solver_modes():
-    assert {repro.BUG, repro.FIX} == set(smem.LORA_ACCOUNTING)
+    assert {repro.BUG, repro.FIX} == set(smem.FAMILIES[smem.HopperV2Config].accountings) < set(smem.LORA_ACCOUNTING)
     assert repro.LORA_BUG_PROBLEMS == tuple(workloads.bench_problems("m4352", ranks=repro.LORA_BUG_RANKS))
     assert repro.LORA_BUG_CONFIG == smem.HopperV2Config(cluster_n=2)     # v2 as a pair: the only kernel with a pair to mis-charge
+
+
+# ---------------------------------------------------------------- the original's two fixes, and the model's prediction
+def test_original_history_is_the_two_fixes():
+    "First formula (LA and LU at the pair's width), the first fix (LA per CTA), the second (LU per CTA): 4, none, 2, 4."
+    h = repro.original_history()
+    assert [(r["accounting"], r["lora_stages"], r["main_stages"]) for r in h] == [
+        ("pair", 1, 4), ("pair", 2, 0), ("pair_lu", 2, 2), ("per_cta", 2, 4)]
+    assert [r["commit"] for r in h][2:] == ["c1d209c", "7296e90"]
+    assert (h[2]["LA"], h[2]["LU"], h[3]["LU"]) == (32768, 32768, 16384)
+
+
+def test_the_model_predicts_the_published_budget():
+    "Every quoted term and stage count of the original's re-solved budget equals the solver's, and the bug's 4 -> 2."
+    table = repro.prediction_table()
+    assert all(r["agree"] == "yes" for r in table), [r for r in table if r["agree"] != "yes"]
+    pub = repro.published_budget()
+    assert pub["terms"] == dict(capacity=232448, LA=32768, LU=16384, main_stage=28672, epi_stage=8192)
+    assert pub["fit"] == {0: (3, 7), 1: (4, 5), 2: (2, 4), 3: (3, 2), 4: None}
+    assert repro.model_budget() == pub
+    lu = smem.solve(replace(repro.ORIGINAL, lora_rank=128, lora_stages=2, lora_accounting="pair_lu"))
+    assert lu.stages["main"] == 2 and lu.total - lu.allocated == 2 * 16384     # LU's phantom half, two LoRA stages
+
+
+def test_verdict_names_both_cards_and_the_same_card_factor():
+    v = repro.verdict()
+    assert "B300" in v and "B200" in v and "1.45x" in v and "+198%" in v and "c1d209c" in v and "7296e90" in v
+
+
+# ---------------------------------------------------------------- the same move on Hopper
+def test_find_moves_finds_the_original_move():
+    moves = repro.find_moves()
+    assert all(r["stages_per_cta"] >= repro.MOVE_DEEP and r["stages_pair"] <= repro.MOVE_SHALLOW for r in moves)
+    exact = {(r["config"], r["R"]) for r in moves if (r["stages_pair"], r["stages_per_cta"]) == (2, 4) and r["bug_builds"]}
+    assert exact == {("v2 int4_pg 2-CTA 128x128 L=3", 64), ("v2 int4_pg 2-CTA 128x128 L=3 chunk 64", 128),
+                     ("v2 int4_pg 2-CTA 128x128 L=3 chunk 64", 256), ("v1 int4_pg 2-CTA 128x128 L=3", 64)}
+    assert not any(r["config"].startswith("v2 int4 ") and r["bug_builds"] for r in moves)
+    assert len({(r["config"], r["R"]) for r in moves}) == len(moves)             # each config once
+
+
+@pytest.mark.parametrize("config, R", [(c, R) for c, ranks in repro.LORA_MOVES for R in ranks])
+def test_move_configs_compile_with_the_solvers_storage(config, R):
+    "Each measured move compiles for sm_90a on the CPU, under both accountings, with the solver's struct and stages."
+    from test_kernels_pg import check_compiled
+    spec = gemm.spec_for(config)
+    p = gemm.example_problem(spec, 4352, 3072, 3840, R)
+    got = {}
+    for acct in (repro.BUG, repro.FIX):
+        rep = gemm.compile_kernel(replace(config, lora_accounting=acct), p)
+        assert rep.smem_bytes == rep.budget.allocated
+        got[acct] = rep.budget.stages["main"]
+        if spec.fmt == "int4_pg":
+            check_compiled(rep, R, a_in_registers=True)
+    assert got[repro.BUG] <= repro.MOVE_SHALLOW and got[repro.FIX] >= repro.MOVE_DEEP
+
+
+def test_measure_moves_rows_with_a_fake_gpu(fake_gpu):
+    "A move's rows: the two builds, then every forced depth between, each rebuilt from its row by `row_config`."
+    from w4a4_book.reference import w4a4_gemm_ref
+    seen = []
+
+    def fake_launcher(*ops, out_dtype, config):
+        seen.append(config)
+        out = torch.empty(ops[0].rows, ops[1].rows, dtype=out_dtype)
+        def launch(): out.copy_(w4a4_gemm_ref(*ops))
+        launch.ms = 4.0 / (config.stages or {repro.BUG: 2, repro.FIX: 4}[config.lora_accounting])
+        return launch, out
+
+    fake_gpu(fake_launcher)
+    rows = repro.measure_lora_bug([(128, 256, 1024, 128)], config=repro.LORA_MOVE_CONFIG, sweep=True, iters=5, quiet=True)
+    assert [(r["accounting"], r["main_stages"], r.get("forced", False)) for r in rows] == [
+        (repro.BUG, 2, False), (repro.FIX, 4, False), (repro.FIX, 3, True)]
+    assert all(repro.row_config(r) == replace(repro.LORA_MOVE_CONFIG, lora_accounting=r["accounting"]) for r in rows)
+    assert [s["fixed_over_bug"] for s in repro.lora_bug_summary(rows)] == [2.0]
+    table = repro.move_table(rows)
+    assert "(bug)" in table and "(fix)" in table and "2.00x" in table
+    assert isinstance(repro.plot_moves(rows), Figure)
 
 
 # ---------------------------------------------------------------- recorded LoRA accounting data
@@ -138,7 +213,7 @@ def test_sweep_marks_lie_on_the_recorded_curves():
     assert marks, "no 2-CTA curve recorded"
     cs = sweep.curves(rows)
     for key, m in marks.items():
-        assert set(m) == set(smem.LORA_ACCOUNTING) and m["per_cta"] >= m["pair"]
+        assert set(m) == {repro.BUG, repro.FIX} and m["per_cta"] >= m["pair"]
         assert m["per_cta"] == max(cs[key])            # the fix picks the deepest point swept
         assert m["pair"] in cs[key]
 
@@ -181,12 +256,24 @@ def no_kernel(monkeypatch):
     monkeypatch.setattr(workloads, "kernel_unavailable", lambda config=None: "test: GPU path disabled")
 
 
-def test_repro_cli_without_gpu_prints_accounting_and_recorded(no_kernel, capsys):
+def test_repro_cli_without_gpu_prints_the_story_then_the_move(no_kernel, capsys):
+    "Without a GPU: the verdict, then the Hopper move, and the long tables only with --all."
     assert main(["repro", "lora-bug"]) == 0
     out = capsys.readouterr().out
-    assert "Solver accounting" in out and "blackwell orig 256x256 R=128" in out and "hopper v2 2-CTA R=128" in out
+    story, move = out.index("+198%"), out.index("Hopper pairs where the bug moves")
+    assert story < move and "1.45x" in out[:move] and "L=3 chunk 64" in out[move:]
+    assert "Recorded measurements" not in out and "--all" in out
+    assert main(["repro", "lora-bug", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("Hopper pairs where") < out.index("re-solved budget, as published") < out.index("Recorded measurements")
+    assert "v2 int4 2-CTA 128x128 R=128" in out
     for path, prov, _ in _records("lora_bug"):
         assert f"recorded: `{path.name}`" in out and f"Re-measure: `{prov['command']}`" in out
+
+
+def test_repro_moves_command_names_itself():
+    args = parser("repro").parse_args(["repro", "lora-bug", "--moves", "--iters", "20"])
+    assert repro._command(args) == "w4a4-book repro lora-bug --moves --iters 20"
 
 
 def test_sweep_cli_without_gpu_prints_recorded(no_kernel, capsys):
@@ -249,7 +336,7 @@ def test_accounting_modes_match_reference():
     "The bug cannot fail a correctness test: v2 2-CTA at 1 stage (bug) and 3 stages (fix) both match the reference."
     from test_kernels import check_against_ref, make_case
     M, N, K, R = 300, 1024, 1024, 128
-    configs = {a: replace(repro.LORA_BUG_CONFIG, lora_accounting=a) for a in smem.LORA_ACCOUNTING}
+    configs = {a: replace(repro.LORA_BUG_CONFIG, lora_accounting=a) for a in (repro.BUG, repro.FIX)}
     stages = {a: smem.solve(gemm.bind(c, Problem(M, N, K, R)), k=K).stages["main"] for a, c in configs.items()}
     assert stages == {"per_cta": 3, "pair": 1}
     case = make_case(M, N, K, R, seed=6)

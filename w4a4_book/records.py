@@ -20,7 +20,7 @@ from pathlib import Path
 # %% auto #0
 __all__ = ['REQUIRED_PROVENANCE', 'RECORD_SUFFIXES', 'COMMIT_ENV', 'CITATIONS', 'validate', 'provenance', 'save_record',
            'load_record', 'data_dir', 'list_records', 'load_rows', 'remeasure', 'commit_reachable', 'unverifiable',
-           'citations', 'markdown_table']
+           'source_title', 'citations', 'markdown_table']
 
 # %% ../nbs/14_records.ipynb #4a18b05e
 REQUIRED_PROVENANCE = ("gpu", "driver", "torch", "cutlass_dsl", "commit", "date", "shapes", "command")
@@ -217,8 +217,14 @@ def unverifiable() -> list[tuple[str, str]]:
 CITATIONS = "citations.json"   # in nbs/, beside data/: quoted figures, not measurements
 
 def _number_in(quote: str, v) -> bool:
-    "Whether the number `v` is written in `quote` (as 27, 6.0 or 14.2)."
-    return re.search(rf"(?<![\d.]){re.escape(format(v, 'g') if float(v) != int(v) else str(int(v)))}(\.0)?(?![\d])", quote) is not None
+    "Whether the number `v` is written in `quote` (27 as 27 or 27.0; 73.1 as 73.1 or 73.10)."
+    whole = float(v) == int(v)
+    digits = re.escape(str(int(v)) if whole else format(v, "g")) + (r"(\.0+)?" if whole else "0*")
+    return re.search(rf"(?<![\d.]){digits}(?![\d])", quote) is not None
+
+def source_title(source) -> str:
+    "A citation source's title: the source itself (a string), or its `title` (an object naming a repository and commit)."
+    return source if isinstance(source, str) else source["title"]
 
 def citations() -> dict:
     "The quoted figures of `nbs/citations.json` by id, each checked: a known source, a quote, and its numbers in the quote."
@@ -229,7 +235,7 @@ def citations() -> dict:
         if not f["quote"].strip(): raise ValueError(f"citation {f['id']}: empty quote")
         missing = [v for v in f["values"] if not _number_in(f["quote"], v)]
         if missing: raise ValueError(f"citation {f['id']}: {missing} not in its quote {f['quote']!r}")
-        out[f["id"]] = {**f, "source_title": doc["sources"][f["source"]]}
+        out[f["id"]] = {**f, "source_title": source_title(doc["sources"][f["source"]])}
     return out
 
 # %% ../nbs/14_records.ipynb #1804eb1b

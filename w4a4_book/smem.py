@@ -4,13 +4,13 @@
 
 # %% auto #0
 __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALIGN', 'SWIZZLE_128B_ALIGN', 'DTYPE_BITS',
-           'STAGE_KINDS', 'LORA_ACCOUNTING', 'GROUP_SIZE', 'PG_GROUP', 'PG_LOOKUP_BYTES', 'SM100_EPI_TILE',
-           'PROMOTIONS', 'ABLATIONS', 'FAMILIES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS', 'ArchFacts', 'Term',
-           'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms', 'HopperV2Config',
-           'hopper_v2_terms', 'HopperPgConfig', 'lora_chunk_of', 'hopper_pg_terms', 'HopperPgSmemConfig',
-           'HopperPgV1Config', 'HopperPgStreamKConfig', 'hopper_pg_smem_terms', 'blackwell_orig_terms', 'Family',
-           'given_stages', 'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms',
-           'check_config', 'Budget', 'solve', 'explain']
+           'STAGE_KINDS', 'LORA_ACCOUNTING', 'LA_AT_PAIR', 'LU_AT_PAIR', 'GROUP_SIZE', 'PG_GROUP', 'PG_LOOKUP_BYTES',
+           'SM100_EPI_TILE', 'PROMOTIONS', 'ABLATIONS', 'FAMILIES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS',
+           'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms',
+           'HopperV2Config', 'hopper_v2_terms', 'HopperPgConfig', 'lora_chunk_of', 'hopper_pg_terms',
+           'HopperPgSmemConfig', 'HopperPgV1Config', 'HopperPgStreamKConfig', 'hopper_pg_smem_terms',
+           'blackwell_orig_terms', 'Family', 'given_stages', 'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms',
+           'Sm100V2Config', 'sm100_v2_terms', 'check_config', 'Budget', 'solve', 'explain']
 
 # %% ../nbs/03_smem.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -87,7 +87,9 @@ def struct_layout(terms) -> tuple[dict, int]:
     return offsets, _round_up(end, struct_align)
 
 # %% ../nbs/03_smem.ipynb #68e3bd3f
-LORA_ACCOUNTING = ("per_cta", "pair")
+LORA_ACCOUNTING = ("per_cta", "pair", "pair_lu")
+LA_AT_PAIR = ("pair",)               # the modes that charge a split LoRA activation block (LA) at the pair's width
+LU_AT_PAIR = ("pair", "pair_lu")     # ... and those that charge a split up-projection block (LU) at the pair's width
 GROUP_SIZE = {"int4": 64, "nvfp4": 16}  # K elements per scale; must equal formats.GROUP_SIZE (tested)
 
 # %% ../nbs/03_smem.ipynb #16cb5c19
@@ -163,7 +165,7 @@ def hopper_v1_terms(cfg: HopperV1Config, stages: dict, accounting: str) -> list:
           Term("a_decoded", D * BM * BK, SWIZZLE_128B_ALIGN, "int8", "decode", "8-bit copy wgmma reads: sm_90 has no 4-bit MMA"),
           Term("b_decoded", D * BN * BK, SWIZZLE_128B_ALIGN, "int8", "decode", "wgmma reads B only from shared memory")]
     if R:
-        up_cols = BN * cfg.cluster_n if accounting == "pair" else BN
+        up_cols = BN * cfg.cluster_n if accounting in LU_AT_PAIR else BN
         t += [Term("lora_act", L * BM * R * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora", "the tile's BM x R LoRA activation rows"),
               Term("lora_up", L * up_cols * R * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
                    "this CTA's BN x R up-projection rows" if up_cols == BN else "charged for the cluster's N columns: the historical bug")]
@@ -256,7 +258,7 @@ def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
           Term("act", S * BM * BK, SWIZZLE_128B_ALIGN, "int8", "main", "int8 q*u activations, wgmma's B operand")]
     if R:
         C = lora_chunk_of(cfg)                 # a LoRA stage holds C of the rank's columns
-        up_rows = BN * cfg.cluster_n if accounting == "pair" else BN
+        up_rows = BN * cfg.cluster_n if accounting in LU_AT_PAIR else BN
         t += [Term("lora_act", L * BM * C * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora", "the tile's BM x C LoRA activation rows"),
               Term("lora_up", L * up_rows * C * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
                    "this CTA's BN x C up-projection rows" if up_rows == BN else "charged for the cluster's N rows: the historical bug")]
@@ -313,7 +315,7 @@ SM100_EPI_TILE = (128, 32)  # compute_epilogue_tile_shape: 128-row CTA tile, 16-
 
 # %% ../nbs/03_smem.ipynb #1a60ac09
 def blackwell_orig_terms(cfg: BlackwellOrigConfig, stages: dict, accounting: str) -> list:
-    "Model of the original's SharedStorage (kernel_v2_fa4.py at c1d209c), per CTA, in declaration order."
+    "Model of the original's SharedStorage (`kernel_v2_fa4.py`, `c1d209c` to `7296e90`), per CTA, in declaration order."
     S, L, E = stages["main"], stages["lora"], stages["epi"]
     c, BK, R, ob = cfg.cta_group, cfg.tile_k, cfg.lora_rank, DTYPE_BITS[cfg.out_dtype] // 8
     BM, BN = cfg.tile_m // c, cfg.tile_n // c    # a 2-CTA MMA splits A's rows and B's columns over the pair
@@ -336,11 +338,11 @@ def blackwell_orig_terms(cfg: BlackwellOrigConfig, stages: dict, accounting: str
           Term("b_scales", S * _round_up(cfg.tile_n, 128) * sf_k, SWIZZLE_128B_ALIGN, "float8_e4m3fn", "main",
                "SFB for every column of the tile, in each CTA")]
     if R:
-        pair = accounting == "pair"
-        t += [Term("lora_act", L * (cfg.tile_m if pair else BM) * R * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "lora",
-                   "charged for the pair's tile_m rows" if pair and c > 1 else "LA: this CTA's rows x R"),
-              Term("lora_up", L * (cfg.tile_n if pair else BN) * R * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "lora",
-                   "charged for the pair's tile_n columns" if pair and c > 1 else "LU: this CTA's columns x R")]
+        la_pair, lu_pair = c > 1 and accounting in LA_AT_PAIR, c > 1 and accounting in LU_AT_PAIR
+        t += [Term("lora_act", L * (cfg.tile_m if la_pair else BM) * R * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "lora",
+                   "charged for the pair's tile_m rows" if la_pair else "LA: this CTA's rows x R"),
+              Term("lora_up", L * (cfg.tile_n if lu_pair else BN) * R * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "lora",
+                   "charged for the pair's tile_n columns" if lu_pair else "LU: this CTA's columns x R")]
     t.append(Term("affine", 0, 1, cfg.out_dtype, None, "wcscales and bias are read from global memory by the epilogue"))
     return t
 
@@ -435,6 +437,7 @@ class Family:
     fmt: str
     fill: str | None = None  # stage kind grown after solving, into the leftover bytes
     min_stages: int = 1      # the fewest main stages its K-loop can run with (fewer would deadlock)
+    accountings: tuple = ("per_cta", "pair")   # its distinct LoRA accountings: a pair that splits only LU has two
 
 def given_stages(cfg) -> dict:
     "The stage counts `cfg` fixes: its decode and epilogue rings (0 where its family has none), its LoRA stages (0 at rank 0)."
@@ -456,7 +459,7 @@ FAMILIES = {
     HopperPgSmemConfig: Family(hopper_pg_smem_terms, _check_hopper_pg_smem, archs=("sm_90",), fmt="int4_pg",
                                given=given_stages),
     BlackwellOrigConfig: Family(blackwell_orig_terms, _check_blackwell_orig, archs=("sm_100",), fmt="nvfp4", fill="epi",
-                                given=given_stages),
+                                given=given_stages, accountings=LORA_ACCOUNTING),
 }
 
 # %% ../nbs/03_smem.ipynb #d4f9c8f5
@@ -504,7 +507,7 @@ def _check_sm100(cfg):
         raise ValueError(f"tile_n={cfg.tile_n}: needs {cols['total']} TMEM columns > {TMEM_COLUMNS}")
 
 FAMILIES[Sm100V1Config] = Family(sm100_terms, _check_sm100, archs=("sm_100",), fmt="nvfp4",
-                                 given=given_stages)
+                                 given=given_stages, accountings=LORA_ACCOUNTING)
 
 # %% ../nbs/03_smem.ipynb #8aaa7b57
 @dataclass(frozen=True)
@@ -532,7 +535,7 @@ def _check_sm100_v2(cfg):
     _check_sm100(cfg)
 
 FAMILIES[Sm100V2Config] = Family(sm100_v2_terms, _check_sm100_v2, archs=("sm_100",), fmt="nvfp4",
-                                 given=given_stages)
+                                 given=given_stages, accountings=LORA_ACCOUNTING)
 
 # %% ../nbs/03_smem.ipynb #dc89eb3d
 def check_config(cfg) -> None:
@@ -544,6 +547,7 @@ def check_config(cfg) -> None:
     _choice(cfg, "arch", fam.archs, f"the {cfg.family} family")
     _choice(cfg, "fmt", (fam.fmt,), f"the {cfg.family} family")
     _choice(cfg, "lora_accounting", LORA_ACCOUNTING)
+    _choice(cfg, "lora_accounting", fam.accountings, f"a {cfg.family} pair splits only LU, which 'pair' already charges whole")
     _int(cfg, "lora_rank", lo=0, multiple=16, why="a 16-bit MMA is 16 deep")
     _int(cfg, "lora_stages")
     for name in ("stages", "max_stages"):

@@ -32,7 +32,7 @@ def min_stages(config) -> int:
 
 def solver_marks(config, problem: Problem) -> dict:
     "Main stages the solver picks for the kernel of `config` on `problem` under each accounting mode, for marking the curve."
-    return {a: max_stages(replace(config, lora_accounting=a), problem) for a in smem.LORA_ACCOUNTING}
+    return {a: max_stages(replace(config, lora_accounting=a), problem) for a in smem.FAMILIES[type(config)].accountings}
 
 # %% ../nbs/07_pipeline_depth.ipynb #86b950c8
 def sweep_stages(configs=SWEEP_CONFIGS, problems=SWEEP_PROBLEMS, *, iters=20, warmup=3, quiet=False):
