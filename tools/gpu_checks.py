@@ -4,7 +4,7 @@ records the book reads (the LoRA bug's move with its depth curves, and the int4_
 
     python tools/gpu_checks.py suite --out nbs/data/gpu_suite_h200.json [--workers 8]
     python tools/gpu_checks.py sanitize --out nbs/data/sanitizer_h200.json [--workers 6]
-    python tools/gpu_checks.py records --out-dir nbs/data
+    python tools/gpu_checks.py records --out-dir nbs/data [--only moves ladder]
     python tools/gpu_checks.py launch CASE     # one launch of CASE, what `sanitize` runs under each tool
 
 `suite` runs `pytest -m gpu` (spread over `--workers` processes with pytest-xdist where it is installed), then runs the
@@ -130,13 +130,17 @@ def run_suite(workers: int, junit: Path) -> list:
     return rows
 
 
-def run_records(out_dir: Path) -> None:
-    "`w4a4-book repro lora-bug --moves` and `w4a4-book repro ladder --fmt int4_pg`, their records written into `out_dir`."
+RECORDS = {"moves": lambda out, gpu: ["repro", "lora-bug", "--moves", "--out", str(out / f"lora_bug_{gpu}_moves.json")],
+           "ladder": lambda out, gpu: ["repro", "ladder", "--fmt", "int4_pg", "--out", str(out / f"ladder_{gpu}_int4_pg.json")]}
+
+
+def run_records(out_dir: Path, which=tuple(RECORDS)) -> None:
+    "`w4a4-book repro lora-bug --moves` and `w4a4-book repro ladder --fmt int4_pg` (those of `which`), into `out_dir`."
     import torch
     from w4a4_book.cli import main as cli
     gpu = torch.cuda.get_device_name().split()[-1].lower()
-    for argv in (["repro", "lora-bug", "--moves", "--out", str(out_dir / f"lora_bug_{gpu}_moves.json")],
-                 ["repro", "ladder", "--fmt", "int4_pg", "--out", str(out_dir / f"ladder_{gpu}_int4_pg.json")]):
+    for name in which:
+        argv = RECORDS[name](out_dir, gpu)
         print("w4a4-book", *argv[:-2], flush=True)
         if cli(argv): raise SystemExit(f"w4a4-book {' '.join(argv)} failed")
 
@@ -149,13 +153,15 @@ def main(argv=None) -> int:
         p.add_argument("--out", type=Path, required=True)
         p.add_argument("--workers", type=int, default=8 if name == "suite" else 6)
     sub.add_parser("launch").add_argument("case", choices=cases())
-    sub.add_parser("records").add_argument("--out-dir", type=Path, required=True)
+    p = sub.add_parser("records")
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--only", nargs="+", choices=list(RECORDS), default=list(RECORDS))
     a = ap.parse_args(argv)
     if a.what == "launch":
         launch(a.case)
         return 0
     if a.what == "records":
-        run_records(a.out_dir)
+        run_records(a.out_dir, a.only)
         return 0
     from w4a4_book.records import provenance, save_record
     if a.what == "suite":
