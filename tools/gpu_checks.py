@@ -138,7 +138,7 @@ def run_records(out_dir: Path, which=tuple(RECORDS)) -> None:
     "`w4a4-book repro lora-bug --moves` and `w4a4-book repro ladder --fmt int4_pg` (those of `which`), into `out_dir`."
     import torch
     from w4a4_book.cli import main as cli
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    gpu = torch.cuda.get_device_name().split()[1].lower()          # "h200", "h100"
     for name in which:
         argv = RECORDS[name](out_dir, gpu)
         print("w4a4-book", *argv[:-2], flush=True)
