@@ -94,6 +94,107 @@ def test_kernel_config_is_registered_with_the_op():
 
 
 # ---------------------------------------------------------------------------------------------
+# The backward pass
+
+
+def float_weight(layer):
+    """`(W_eff, A)`: the weight of the float layer the op's backward differentiates, `(W/smooth + up @ down.T) * wcscales`
+    over the dequantized residual `W`, and the magnitudes of the terms it sums, for the rounding bound."""
+    from w4a4_book.formats import dequantize, reciprocal
+    W, r = dequantize(layer.qweight), reciprocal(layer.smooth.float())
+    up, down, s = layer.lora_up.float(), layer.lora_down.float(), layer.wcscales.float()[:, None]
+    return (W * r + up @ down.T) * s, (W.abs() * r.abs() + up.abs() @ down.abs().T) * s.abs()
+
+
+def rounding_bound(layer, gy, A):
+    "Twice gamma_n |g| A with n = N + R + 4 float32 roundings: how far two orders of the same sums may differ."
+    return 2 * (layer.out_features + layer.rank + 4) * 2.0**-24 * (gy.abs() @ A)
+
+
+@pytest.mark.parametrize("fmt, act_fmt", PAIRS)
+@pytest.mark.parametrize("rank", [0, 16])
+def test_the_input_gradient_is_the_float_layers_over_the_dequantized_weight(fmt, act_fmt, rank):
+    import warnings
+    layer, _ = converted(fmt, act_fmt, rank=rank)
+    w_eff, A = float_weight(layer)
+    x = torch.randn(3, 5, 256, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)                  # "an autograd kernel was not registered", say
+        y = layer(x)
+        gy = torch.randn(y.shape)
+        (gx,) = torch.autograd.grad(y, x, gy)
+    xf = x.detach().clone().requires_grad_()
+    (ref,) = torch.autograd.grad(torch.nn.functional.linear(xf, w_eff), xf, gy)
+    assert gx.dtype == x.dtype and ((gx - ref).abs() <= rounding_bound(layer, gy, A)).all()
+    cos = torch.nn.functional.cosine_similarity(gx.flatten(), ref.flatten(), 0)
+    assert cos > 1 - 1e-6
+    xb, gb = x.detach().bfloat16().requires_grad_(), gy.bfloat16()     # bfloat16 in: the same sums, rounded once more
+    layer(xb).backward(gb)
+    (refb,) = torch.autograd.grad(torch.nn.functional.linear(xf, w_eff), xf, gb.float())
+    assert xb.grad.dtype == torch.bfloat16
+    assert torch.allclose(xb.grad.float(), refb, rtol=2**-8, atol=float(rounding_bound(layer, gb.float(), A).max()))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_model_differentiates_as_the_eager_one(backend):
+    model = block()
+    x = torch.randn(4, 256, requires_grad=True)
+    gy = torch.randn(4, 256)
+    (eager,) = torch.autograd.grad(model(x), x, gy)
+    xc = x.detach().clone().requires_grad_()
+    (compiled,) = torch.autograd.grad(torch.compile(model, fullgraph=True, backend=backend)(xc), xc, gy)
+    assert torch.allclose(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt, act_fmt", PAIRS)
+def test_opcheck_with_an_input_that_requires_grad(fmt, act_fmt):
+    layer, x = converted(fmt, act_fmt)
+    tests = [t for t in OPCHECKS if not (fmt == "nvfp4" and t == "test_schema")]
+    torch.library.opcheck(torch.ops.w4a4.linear.default, layer.op_args(x.requires_grad_()), test_utils=tests)
+
+
+def test_a_buffer_that_requires_grad_is_refused_by_name():
+    layer, x = converted()
+    layer.lora_up.requires_grad_()
+    with pytest.raises(ValueError, match="lora_up: requires grad, but w4a4::linear differentiates only x"):
+        layer(x)
+    with torch.no_grad():                                            # nothing to differentiate: it runs
+        layer(x)
+
+
+def test_a_second_derivative_and_a_frozen_input():
+    "The backward is made of differentiable ops (a second derivative warns of nothing); no grad asked, none made."
+    import warnings
+    layer, x = converted()
+    x.requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        y = layer(x)
+        gy = torch.randn(y.shape, requires_grad=True)
+        (gx,) = torch.autograd.grad(y, x, gy, create_graph=True)
+        (ggy,) = torch.autograd.grad(gx.square().sum(), gy)
+    assert ggy.shape == y.shape and torch.isfinite(ggy).all()
+    assert layer(x.detach()).grad_fn is None
+
+
+@pytest.mark.gpu
+@SM90
+@pytest.mark.parametrize("act_fmt", [None, "int8"])
+def test_the_sm90_forward_is_differentiable(act_fmt):
+    "On the GPU the forward runs the kernels (not the bound path, which autograd cannot see) and the gradient is the CPU's."
+    layer, x = converted("int4_pg", act_fmt, K=1024, N=512, rank=32)
+    gpu = copy.deepcopy(layer).cuda()
+    xg = x.cuda().bfloat16().requires_grad_()
+    y = gpu(xg)
+    assert gpu.last_backend == "sm90-v2-rs" and y.grad_fn is not None
+    gy = torch.randn(y.shape, device="cuda", dtype=y.dtype)
+    y.backward(gy)
+    xc = x.bfloat16().requires_grad_()
+    layer(xc).backward(gy.cpu())
+    assert torch.allclose(xg.grad.float().cpu(), xc.grad.float(), rtol=2**-6, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
 # torch.compile
 
 

@@ -1,4 +1,4 @@
-"The README: its Results section is exactly what the records generate, and it gives exactly two commands to run."
+"The README: its Results section is exactly what the records generate, it gives exactly two commands to run, and its example runs."
 import json
 import re
 from pathlib import Path
@@ -33,8 +33,20 @@ def _commands(text: str) -> list[str]:
 
 def test_exactly_two_command_blocks():
     langs = [lang for lang, _ in FENCE.findall(README)]
-    assert [lang for lang in langs if lang] == ["bash", "bash"], langs   # the operator's formula is the only other block
+    assert [lang for lang in langs if lang] == ["bash", "bash", "python"], langs   # and the operator's formula, untagged
     assert len(_commands(README)) == 2
+
+
+def test_the_use_section_runs(tmp_path, monkeypatch):
+    "The example of '## Use it', about ten lines, runs on the CPU: it converts, runs, saves, loads and compiles a model."
+    start = README.index("## Use it\n")
+    section = README[start:README.index("\n## ", start + 1)]
+    blocks = [body for lang, body in FENCE.findall(section) if lang == "python"]
+    assert len(blocks) == 1 and 8 <= len(blocks[0].strip().splitlines()) <= 12
+    assert README.index("## Two commands") < start < README.index("## Results")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme"})
+    assert (tmp_path / "model.safetensors").is_file()
 
 
 def test_commands_match_the_introduction():

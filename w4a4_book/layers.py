@@ -7,24 +7,40 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import warnings
+import weakref
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 from fastcore.basics import patch
 from torch import nn
 
 from . import gemm, operands, ops
 from . import formats
 from .formats import K_MULTIPLE, QTensor, check_fmt, quantize
-from .operands import LORA_RANK_MULTIPLE
+from .operands import LORA_RANK_MULTIPLE, fail
 
 # %% auto #0
-__all__ = ['SMOOTH_ALPHA', 'BACKENDS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'DEFAULT_FMT', 'ACT_FORMATS',
-           'SPEC_KEYS', 'smooth_factors', 'low_rank', 'W4A4Linear', 'ConversionReport', 'quantize_model',
-           'save_quantized', 'load_quantized']
+__all__ = ['SMOOTH_ALPHA', 'LOW_RANK_METHODS', 'RSVD_SAMPLES', 'RSVD_POWER_ITERS', 'RSVD_MIN_SIDE', 'RSVD_TOLERANCE', 'BACKENDS',
+           'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'DEFAULT_FMT', 'ACT_FORMATS', 'PROJECTIONS', 'SPEC_KEYS',
+           'smooth_factors', 'randomized_low_rank', 'low_rank', 'W4A4Linear', 'why_not_split',
+           'SplitMultiheadAttention', 'adapt_fast_paths', 'ConversionReport', 'quantize_model', 'save_quantized',
+           'load_quantized']
 
 # %% ../nbs/08_layer.ipynb #f9cd34a0
 SMOOTH_ALPHA = 0.5   # migration strength of SmoothQuant (Xiao et al., 2023), also SVDQuant's default
+
+def _nonfinite(t: torch.Tensor) -> Optional[str]:
+    "What `t` holds that is not finite, in words ('2 NaN and 1 inf of 512 values'), or None when every value is finite."
+    bad = ~torch.isfinite(t)
+    if not bad.any():
+        return None
+    nan = int(torch.isnan(t).sum())
+    inf = int(bad.sum()) - nan
+    return " and ".join([f"{nan} NaN"] * (nan > 0) + [f"{inf} inf"] * (inf > 0)) + f" of {t.numel()} values"
 
 def smooth_factors(act_sample: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
     "Per-input-channel smoothing factors `max|x_j|^alpha / max|W_j|^(1-alpha)`, float32 `[K]`."
@@ -33,16 +49,72 @@ def smooth_factors(act_sample: torch.Tensor, weight: torch.Tensor, alpha: float 
         raise TypeError("act_sample must be a floating-point torch.Tensor")
     if act_sample.shape[-1] != K:
         raise ValueError(f"act_sample must have last dimension K={K}, got shape {tuple(act_sample.shape)}")
-    if not 0 <= alpha <= 1:
-        raise ValueError(f"alpha={alpha} must lie in [0, 1]")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+        raise ValueError(f"alpha={alpha!r} must lie in [0, 1]")
+    if (why := _nonfinite(act_sample)):
+        fail(ValueError, "act_sample", f"holds {why}")
     ax = act_sample.reshape(-1, K).to(weight.device).float().abs().amax(0)
     aw = weight.float().abs().amax(0)
     lam = ax.pow(alpha) / aw.pow(1 - alpha)
     return torch.where((ax > 0) & (aw > 0), lam, torch.ones_like(lam))
 
-def low_rank(w: torch.Tensor, rank: int) -> tuple:
-    "The best rank-`rank` factors of `w` `[N, K]` from its SVD: `up` `[N, rank]` and `down` `[K, rank]` with `w ~ up @ down.T`."
-    U, S, Vh = torch.linalg.svd(w.float(), full_matrices=False)
+# %% ../nbs/08_layer.ipynb #6d181685
+LOW_RANK_METHODS = ("auto", "svd", "randomized")
+RSVD_SAMPLES = 2         # the randomized SVD samples RSVD_SAMPLES * rank directions (oversampling by the rank)
+RSVD_POWER_ITERS = 4     # and refines them by this many power iterations
+RSVD_MIN_SIDE = 512      # "auto" takes the full SVD below this min(N, K), where it costs little anyway
+RSVD_TOLERANCE = 0.005   # the randomized residual's excess over the full SVD's, at most (measured in the layer chapter)
+
+def _check_low_rank_args(w, rank, method) -> None:
+    "Raise, naming the argument, unless `low_rank` can factor `w` at `rank` by `method`."
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2:
+        fail(TypeError, "w", f"must be a 2-D floating-point torch.Tensor, got {getattr(w, 'shape', type(w).__name__)}")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        fail(TypeError, "rank", f"must be an int, not {type(rank).__name__}")
+    if not 0 <= rank <= min(w.shape):
+        fail(ValueError, "rank", f"rank={rank} must lie in [0, min(N, K)] = [0, {min(w.shape)}]")
+    if method not in LOW_RANK_METHODS:
+        fail(ValueError, "method", f"{method!r} must be one of {LOW_RANK_METHODS}")
+    if (why := _nonfinite(w)):
+        fail(ValueError, "w", f"holds {why}")
+
+def _randomized(w: torch.Tensor, rank: int, samples: int, power_iters: int) -> tuple:
+    "The randomized SVD's factors of float32 `w`, unchecked (`randomized_low_rank`)."
+    g = torch.Generator(device=w.device).manual_seed(0)
+    q = torch.linalg.qr(w @ torch.randn(w.shape[1], samples * rank, generator=g, device=w.device)).Q
+    for _ in range(power_iters):                 # the spectrum's decay, raised to the power 2 * power_iters + 1
+        q = torch.linalg.qr(w @ torch.linalg.qr(w.T @ q).Q).Q
+    u, s, vh = torch.linalg.svd(q.T @ w, full_matrices=False)
+    return (q @ u[:, :rank]) * s[:rank], vh[:rank].T
+
+def randomized_low_rank(w: torch.Tensor, rank: int, samples: int = RSVD_SAMPLES,
+                        power_iters: int = RSVD_POWER_ITERS) -> tuple:
+    """`low_rank`'s factors by a randomized SVD (Halko, Martinsson and Tropp, 2011): an orthonormal basis of `w`'s range
+    sampled from `samples * rank` Gaussian directions, refined by `power_iters` power iterations (each one
+    re-orthonormalized), then the SVD of `w` projected on it. Float32; from a generator of its own with a fixed seed,
+    so the factors are the same on every call and the global random state is left alone."""
+    _check_low_rank_args(w, rank, "randomized")
+    for name, v in (("samples", samples), ("power_iters", power_iters)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "samples" else 0):
+            fail(ValueError, name, f"must be an int >= {1 if name == 'samples' else 0}, got {v!r}")
+    w = w.float()
+    if rank == 0:
+        return w.new_zeros(w.shape[0], 0), w.new_zeros(w.shape[1], 0)
+    return _randomized(w, rank, samples, power_iters)
+
+def low_rank(w: torch.Tensor, rank: int, method: str = "auto") -> tuple:
+    """The best rank-`rank` factors of `w` `[N, K]`: `up` `[N, rank]` and `down` `[K, rank]` with `w ~ up @ down.T`, in
+    float32. `method`: 'svd' (the full SVD), 'randomized' (`randomized_low_rank`), or 'auto': randomized where
+    `min(N, K)` is at least `RSVD_MIN_SIDE` and four times the sampled directions, the full SVD otherwise."""
+    _check_low_rank_args(w, rank, method)
+    w = w.float()
+    if rank == 0:
+        return w.new_zeros(w.shape[0], 0), w.new_zeros(w.shape[1], 0)
+    if method == "auto":
+        method = "randomized" if min(w.shape) >= max(RSVD_MIN_SIDE, 4 * RSVD_SAMPLES * rank) else "svd"
+    if method == "randomized":
+        return _randomized(w, rank, RSVD_SAMPLES, RSVD_POWER_ITERS)
+    U, S, Vh = torch.linalg.svd(w, full_matrices=False)
     return U[:, :rank] * S[:rank], Vh[:rank].T
 
 # %% ../nbs/08_layer.ipynb #ab190ea8
@@ -65,21 +137,36 @@ def _check_layer_args(in_features, out_features, rank, fmt, dtype, backend, kern
                              f"but fmt={fmt!r}; pass fmt={spec.fmt!r} or a config of a {fmt!r} kernel")
 
 # %% ../nbs/08_layer.ipynb #3e741e63
+def _scale_dtype(fmt: str, dtype: torch.dtype) -> torch.dtype:
+    "The dtype of a layer's 4-bit group scales: its `dtype` for int4, FP8 E4M3 for nvfp4, uint8 (`u`) for int4_pg."
+    return {"int4": dtype, "nvfp4": torch.float8_e4m3fn, "int4_pg": torch.uint8}[fmt]
+
 class W4A4Linear(nn.Module):
     "A linear layer computing `x @ W.T + b` as 4-bit activations times 4-bit weights plus a 16-bit low-rank branch."
     def __init__(self, in_features: int, out_features: int, rank: int = 32, fmt: str = DEFAULT_FMT, bias: bool = True,
                  *, dtype: torch.dtype = torch.bfloat16, backend: str = "auto", kernel_config=None, act_fmt=None,
                  device=None):
+        """A layer of zeros, the container `load_state_dict` fills; `W4A4Linear.from_linear(linear)` converts an
+        `nn.Linear`, `quantize_model(model)` every one of a model. `fmt`, the residual weight's format, one of
+        `WEIGHT_FORMATS`: 'int4_pg' (the default: 4-bit codes, an integer `u` in [1, 15] per group of 64 and a float32
+        base per output channel; the exact-integer Hopper kernel), 'int4' (a `dtype` scale per group of 64; the v1 and
+        v2 kernels) or 'nvfp4' (E2M1 codes, an FP8 E4M3 scale per group of 16 and a float32 global scale; the reference
+        rules only, as Hopper has no FP4 tensor cores). `act_fmt`: the activations' format, `fmt`'s own, or 'int8' with
+        int4_pg weights (W4A8). `rank`: 0 or a multiple of 16, the width of the low-rank branch. `dtype`: bfloat16 or
+        float16, of everything that is not 4-bit. `backend`: 'auto' (the sm90 kernels where they run, else the
+        reference), 'reference' or 'sm90'. `kernel_config`: a registered kernel's config, None for the format's
+        default."""
         super().__init__()
         _check_layer_args(in_features, out_features, rank, fmt, dtype, backend, kernel_config, act_fmt)
-        self.in_features, self.out_features, self.rank, self.fmt, self.dtype = in_features, out_features, rank, fmt, dtype
+        self.in_features, self.out_features, self.rank, self.fmt = in_features, out_features, rank, fmt
         self.act_fmt = act_fmt or fmt                                # "int8": per-token int8 activations (W4A8)
         self.backend, self.kernel_config = backend, kernel_config   # None: the fastest verified kernel for `fmt`
         self.last_backend: Optional[str] = None
+        self.layer_name: Optional[str] = None   # its dotted name in a model: set by quantize_model, load_quantized
         K, N, G = in_features, out_features, K_MULTIPLE[fmt]
         half = dict(dtype=dtype, device=device)
         self.register_buffer("qweight_data", torch.zeros(N, K // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("qweight_scales", torch.zeros(K // G, N, dtype=self.scale_dtype, device=device))
+        self.register_buffer("qweight_scales", torch.zeros(K // G, N, dtype=_scale_dtype(fmt, dtype), device=device))
         self.register_buffer("qweight_global_scale",
                              torch.ones((), dtype=torch.float32, device=device) if fmt == "nvfp4" else None)
         self.register_buffer("qweight_base", torch.zeros(N, dtype=torch.float32, device=device) if fmt == "int4_pg" else None)
@@ -91,9 +178,14 @@ class W4A4Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(N, **half) if bias else None)
 
     @property
+    def dtype(self) -> torch.dtype:
+        "The 16-bit dtype of all that is not 4-bit, `smooth`'s: bfloat16 or float16; a cast of the layer moves it."
+        return self._buffers["smooth"].dtype
+
+    @property
     def scale_dtype(self) -> torch.dtype:
         "The dtype of the 4-bit group scales: the layer's `dtype` for int4, FP8 E4M3 for nvfp4, uint8 (`u`) for int4_pg."
-        return {"int4": self.dtype, "nvfp4": torch.float8_e4m3fn, "int4_pg": torch.uint8}[self.fmt]
+        return _scale_dtype(self.fmt, self.dtype)
 
     @property
     def qweight(self) -> QTensor:
@@ -122,21 +214,27 @@ class W4A4Linear(nn.Module):
 @patch(cls_method=True)
 def from_linear(cls: W4A4Linear, linear: nn.Linear, rank: int = 32, fmt: str = DEFAULT_FMT,
                 act_sample: Optional[torch.Tensor] = None, *, alpha: float = SMOOTH_ALPHA,
-                dtype: torch.dtype = torch.bfloat16, backend: str = "auto", kernel_config=None, act_fmt=None) -> W4A4Linear:
-    """Convert `linear` by SVDQuant: smooth with `act_sample` if given, split off a rank-`rank` branch, quantize the rest
-    to `fmt`; `act_fmt="int8"` (with int4_pg weights) quantizes the activations per token to int8 instead (W4A8)."""
+                dtype: torch.dtype = torch.bfloat16, backend: str = "auto", kernel_config=None, act_fmt=None,
+                low_rank_method: str = "auto") -> W4A4Linear:
+    """Convert `linear` by SVDQuant: smooth with `act_sample` if given, split off a rank-`rank` branch (`low_rank` by
+    `low_rank_method`), quantize the rest to `fmt`; `act_fmt="int8"` (with int4_pg weights) quantizes the activations
+    per token to int8 instead (W4A8)."""
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"linear must be a torch.nn.Linear, not {type(linear).__name__}")
     K, N = linear.in_features, linear.out_features
     _check_layer_args(K, N, rank, fmt, dtype, backend, kernel_config, act_fmt)
+    if low_rank_method not in LOW_RANK_METHODS:
+        fail(ValueError, "low_rank_method", f"{low_rank_method!r} must be one of {LOW_RANK_METHODS}")
     w = linear.weight.detach().float()
+    if (why := _nonfinite(w)):
+        fail(ValueError, "linear", f"weight holds {why}; an SVD of it is meaningless")
     lam = smooth_factors(act_sample, w, alpha) if act_sample is not None else torch.ones(K, device=w.device)
     lam = lam.clamp(torch.finfo(dtype).tiny, torch.finfo(dtype).max).to(dtype)
     w_hat = w * lam.float()
     layer = cls(K, N, rank, fmt, linear.bias is not None, dtype=dtype, backend=backend,
                 kernel_config=kernel_config, act_fmt=act_fmt, device=w.device)
     if rank:
-        up, down = low_rank(w_hat, rank)
+        up, down = low_rank(w_hat, rank, low_rank_method)
         layer.lora_up.copy_(up)
         layer.lora_down.copy_(down / lam.float()[:, None])
         w_hat = w_hat - layer.lora_up.float() @ (layer.lora_down.float() * lam.float()[:, None]).T
@@ -214,7 +312,8 @@ def route(self: W4A4Linear, x: torch.Tensor) -> tuple:
 @patch
 def forward(self: W4A4Linear, x: torch.Tensor) -> torch.Tensor:
     """`x` `[..., K]` -> `[..., N]` in `x.dtype` by the op `w4a4::linear`, on the backend chosen by `self.backend`; an
-    eager call records it in `self.last_backend` (a compiled graph leaves it alone: its op decides as it runs)."""
+    eager call records it in `self.last_backend` (a compiled graph leaves it alone: its op decides as it runs).
+    Differentiable in `x`, by the op's straight-through backward."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
     if x.dtype not in INPUT_DTYPES:
@@ -228,8 +327,9 @@ def forward(self: W4A4Linear, x: torch.Tensor) -> torch.Tensor:
     compiling = torch.compiler.is_compiling()        # a trace passes the backend on: the op decides "auto" as it runs
     backend, name = (self.backend, None) if compiling else self.route(x)
     args = self.op_args(x.reshape(-1, self.in_features), backend)
+    grad = x.requires_grad and torch.is_grad_enabled()   # autograd records the op: the bound path would bypass it
     # eager, on the kernels, with a plain tensor: the op's bound path (`ops.bound_linear`) without the dispatch
-    y = ops.bound_linear(args) if backend == "sm90" and not compiling and type(x) is torch.Tensor else None
+    y = ops.bound_linear(args) if backend == "sm90" and not compiling and not grad and type(x) is torch.Tensor else None
     if y is None:
         y = torch.ops.w4a4.linear(*args)
     if not compiling and self.__dict__.get("last_backend") != name:
@@ -249,17 +349,171 @@ def to_int4_pg(self: W4A4Linear, act_fmt: Optional[str] = None) -> W4A4Linear:
     out.load_state_dict({**sd, "qweight_data": q.data, "qweight_scales": q.scales, "qweight_base": q.base})
     return out
 
+# %% ../nbs/08_layer.ipynb #7a4ffcea
+_WARNED_CASTS = weakref.WeakSet()     # the cast functions a refusal was already reported for: one warning per cast
+
+@patch
+def _apply(self: W4A4Linear, fn, recurse: bool = True):
+    """`nn.Module._apply` (`.to`, `.half`, `.cuda`, ...) keeping the layer's dtypes: every buffer moves as `fn` moves
+    it, but only those of the layer's `dtype` change dtype, and only to bfloat16 or float16 values that stay finite;
+    any other cast leaves them as they were, with a warning naming the layer."""
+    before = dict(self._buffers)
+    super(W4A4Linear, self)._apply(fn, recurse)
+    after, old = self._buffers, before["smooth"].dtype
+    follow = {k for k, t in before.items() if t is not None and t.dtype == old}
+    new, why = after["smooth"].dtype, None
+    if new != old and new not in LAYER_DTYPES:
+        why = f"its 16-bit parts take only {LAYER_DTYPES}"
+    elif new != old and after["smooth"].device.type != "meta":
+        why = next((f"{k} would not be finite in {new}" for k in sorted(follow)
+                    if not torch.isfinite(after[k]).all() and torch.isfinite(before[k]).all()), None)
+    for k, t in after.items():
+        if t is not None and t.dtype != before[k].dtype and (why or k not in follow):
+            after[k] = before[k].to(t.device)       # moved, not cast
+    self.__dict__.pop("_routes", None)                # the backend is chosen again for the new device or dtype
+    if why and not _warned(fn):
+        name = self.__dict__.get("layer_name") or f"({self.in_features} -> {self.out_features}, {self.fmt})"
+        warnings.warn(f"W4A4Linear {name} (and any other W4A4Linear of this cast) keeps dtype {old} rather than {new}: "
+                      f"{why}; it still runs, on inputs of any of {INPUT_DTYPES}, and returns its input's dtype",
+                      stacklevel=4)
+    return self
+
+def _warned(fn) -> bool:
+    "Whether a refused cast by `fn` was reported already; records that it now is."
+    try:
+        seen = fn in _WARNED_CASTS
+        _WARNED_CASTS.add(fn)
+        return seen
+    except TypeError:                 # a callable that takes no weak reference: warn each time
+        return False
+
+# %% ../nbs/08_layer.ipynb #cacd6411
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")     # the linears of a SplitMultiheadAttention
+
+def why_not_split(mha: nn.MultiheadAttention) -> Optional[str]:
+    "Why `SplitMultiheadAttention` cannot stand in for `mha`, as a sentence, or None when it can."
+    for option, on in (("add_bias_kv", mha.bias_k is not None), ("add_zero_attn", mha.add_zero_attn)):
+        if on:
+            return f"nn.MultiheadAttention with {option}=True, which SplitMultiheadAttention does not compute"
+    return None
+
+def _linear_of(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Linear:
+    "An `nn.Linear` holding copies of `weight` `[N, K]` and `bias` (None: none), made without a random initialisation."
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+    return lin
+
+def _additive_mask(attn_mask, key_padding_mask, shape: tuple, dtype) -> Optional[torch.Tensor]:
+    """`nn.MultiheadAttention`'s two masks as one additive mask broadcastable to `shape` = `(B, H, L, S)` (a True of a
+    boolean mask: -inf, not attended), in `dtype`; None without either."""
+    B, H, L, S = shape
+    def additive(m):
+        if m.dtype != torch.bool:
+            return m.to(dtype)
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(m, float("-inf"))
+    mask = None if attn_mask is None else additive(attn_mask)
+    if mask is not None and mask.dim() == 3:
+        mask = mask.view(B, H, L, S)                               # [B * H, L, S], or [H, L, S] for an unbatched input
+    if key_padding_mask is not None:
+        pad = additive(key_padding_mask).view(B, 1, 1, S)
+        mask = pad if mask is None else mask + pad
+    return mask
+
+class SplitMultiheadAttention(nn.Module):
+    """`nn.MultiheadAttention` computed from four linears, `q_proj`, `k_proj`, `v_proj` and `out_proj`, that
+    `quantize_model` can convert: the same arguments, results and parameters (copied from `mha`), its input projection
+    split in three; not for `add_bias_kv` or `add_zero_attn` (`why_not_split`)."""
+    in_proj_weight = in_proj_bias = None     # nothing packed: nn.TransformerEncoderLayer's fast path reads these
+
+    def __init__(self, mha: nn.MultiheadAttention):
+        super().__init__()
+        if not isinstance(mha, nn.MultiheadAttention):
+            fail(TypeError, "mha", f"must be an nn.MultiheadAttention, not {type(mha).__name__}")
+        if (why := why_not_split(mha)):
+            fail(ValueError, "mha", why)
+        self.embed_dim, self.kdim, self.vdim = mha.embed_dim, mha.kdim, mha.vdim
+        self.num_heads, self.head_dim, self.dropout = mha.num_heads, mha.head_dim, mha.dropout
+        self.batch_first, self._qkv_same_embed_dim = mha.batch_first, mha._qkv_same_embed_dim
+        packed = mha._qkv_same_embed_dim
+        w = mha.in_proj_weight.chunk(3) if packed else (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight)
+        b = (None,) * 3 if mha.in_proj_bias is None else mha.in_proj_bias.chunk(3)
+        self.q_proj, self.k_proj, self.v_proj = (_linear_of(wi, bi) for wi, bi in zip(w, b))
+        self.out_proj = _linear_of(mha.out_proj.weight, mha.out_proj.bias)
+        self.train(mha.training)
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
+                average_attn_weights: bool = True, is_causal: bool = False) -> tuple:
+        "`nn.MultiheadAttention.forward`: `(output, attention weights)`, the weights None unless `need_weights`."
+        if is_causal and attn_mask is None:
+            fail(ValueError, "attn_mask", "must be given with is_causal=True, which is a hint about it")
+        batched = query.dim() == 3
+        q, k, v = (t if batched and self.batch_first else t.transpose(0, 1) if batched else t.unsqueeze(0)
+                   for t in (query, key, value))                  # [B, L or S, features]
+        B, L, S, H = q.shape[0], q.shape[1], k.shape[1], self.num_heads
+        q, k, v = (proj(t).view(B, n, H, self.head_dim).transpose(1, 2)
+                   for proj, t, n in ((self.q_proj, q, L), (self.k_proj, k, S), (self.v_proj, v, S)))
+        mask = _additive_mask(attn_mask, key_padding_mask, (B, H, L, S), q.dtype)
+        p = self.dropout if self.training else 0.0
+        if need_weights:
+            w = torch.softmax((q * self.head_dim**-0.5) @ k.transpose(-2, -1) + (0 if mask is None else mask), dim=-1)
+            w = F.dropout(w, p) if p > 0 else w
+            out, weights = w @ v, (w.mean(1) if average_attn_weights else w)
+        else:
+            out, weights = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p), None
+        out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))
+        if not batched:
+            return out.squeeze(0), None if weights is None else weights.squeeze(0)
+        return (out if self.batch_first else out.transpose(0, 1)), weights
+
+# %% ../nbs/08_layer.ipynb #e56153e0
+def _fast_path_off(module, args) -> None:
+    "A forward pre-hook that does nothing: PyTorch takes `nn.TransformerEncoderLayer`'s fast path only without hooks."
+
+def adapt_fast_paths(model: nn.Module) -> list:
+    """Turn off, in `model`, the fused paths of torch's transformer modules that read the weights of linears a
+    `W4A4Linear` or a `SplitMultiheadAttention` replaced: `nn.TransformerEncoderLayer`'s fast path (by a forward
+    pre-hook that does nothing) and `nn.TransformerEncoder`'s nested-tensor path (`use_nested_tensor`). Returns
+    `(name, what and why)` for each module adapted and each split attention; a second call changes nothing."""
+    notes = []
+    converted = lambda m: any(isinstance(c, (W4A4Linear, SplitMultiheadAttention)) for c in m.modules())
+    for name, mod in model.named_modules():
+        if isinstance(mod, SplitMultiheadAttention):
+            notes.append((name, "nn.MultiheadAttention split into q_proj, k_proj, v_proj and out_proj "
+                                "(SplitMultiheadAttention): it reads its projections' weights itself"))
+        elif isinstance(mod, nn.TransformerEncoderLayer) and converted(mod):
+            if _fast_path_off not in mod._forward_pre_hooks.values():
+                mod.register_forward_pre_hook(_fast_path_off)
+            notes.append((name, "fast path off (a forward pre-hook that does nothing): it reads linear1.weight, "
+                                "linear2.weight and the attention's packed weights"))
+        elif isinstance(mod, nn.TransformerEncoder) and converted(mod) and getattr(mod, "use_nested_tensor", False):
+            mod.use_nested_tensor = False
+            notes.append((name, "use_nested_tensor off: its nested-tensor path reads its first layer's weights"))
+    return notes
+
 # %% ../nbs/08_layer.ipynb #9a1c0e02
 class ConversionReport(NamedTuple):
-    "What `quantize_model` did: the layers it converted, those it skipped and why, and whether it smoothed."
-    converted: list   # names of the converted layers
-    skipped: list     # (name, why) of each nn.Linear left as it was
+    "What `quantize_model` did: the layers it converted, those it skipped and why, if it smoothed, what it adapted."
+    converted: list   # dotted names of the converted layers
+    skipped: list     # (dotted name, why) of each linear left in float
     smoothed: bool    # whether calibration batches set the smoothing factors
+    adapted: list = []   # (dotted name, what and why) of each module changed so that the converted layers run in it
 
     def __str__(self):
         head = (f"converted {len(self.converted)} nn.Linear, skipped {len(self.skipped)}; "
                 f"{'smoothed from calibration' if self.smoothed else 'no calibration: smoothing skipped'}")
-        return "\n".join([head, *(f"  skipped {n}: {why}" for n, why in self.skipped)])
+        return "\n".join([head, *(f"  skipped {n or '(the model)'}: {why}" for n, why in self.skipped),
+                          *(f"  adapted {n or '(the model)'}: {what}" for n, what in self.adapted)])
+
+def _run_batch(model: nn.Module, batch) -> None:
+    "`model(*batch)` for a tuple, `model(**batch)` for a dict, else `model(batch)`."
+    if isinstance(batch, tuple):
+        model(*batch)
+    elif isinstance(batch, dict):
+        model(**batch)
+    else:
+        model(batch)
 
 def _channel_amax(model: nn.Module, names: list, calibration) -> dict:
     "Run `calibration` through `model` and return each named linear's per-channel max |input|, float32 `[K]`."
@@ -274,51 +528,141 @@ def _channel_amax(model: nn.Module, names: list, calibration) -> dict:
     try:
         with torch.no_grad():
             for batch in calibration:
-                model(*batch) if isinstance(batch, tuple) else model(batch)
+                _run_batch(model, batch)
     finally:
         for h in hooks:
             h.remove()
+    for name, a in amax.items():
+        if (why := _nonfinite(a)):
+            fail(ValueError, "calibration", f"the inputs of {name!r} are not finite (their channel maxima hold {why})")
     return amax
 
 # %% ../nbs/08_layer.ipynb #9a1c0e03
+def _check_conversion_args(model, fmt, rank, calibration, filter, opts: dict) -> None:
+    "Raise, naming the argument, unless `quantize_model` can start: the rules that no one layer's shape decides."
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if isinstance(model, (nn.Linear, nn.MultiheadAttention)):
+        kind, instead = (("nn.Linear", "it with W4A4Linear.from_linear") if isinstance(model, nn.Linear)
+                         else ("nn.MultiheadAttention", "SplitMultiheadAttention(model)"))
+        fail(TypeError, "model", f"is itself an {kind}, which quantize_model can't replace in place; convert {instead}")
+    if filter is not None and not callable(filter):
+        raise TypeError(f"filter must be callable as filter(name, linear), got {type(filter).__name__}")
+    check_fmt(fmt, WEIGHT_FORMATS)
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        fail(TypeError, "rank", f"must be an int, not {type(rank).__name__}")
+    side = K_MULTIPLE[fmt] * max(1, -(-rank // K_MULTIPLE[fmt]))     # a shape that tiles and holds the rank
+    _check_layer_args(side, side, rank, fmt, opts["dtype"], opts["backend"], opts["kernel_config"], opts["act_fmt"])
+    if opts["low_rank_method"] not in LOW_RANK_METHODS:
+        fail(ValueError, "low_rank_method", f"{opts['low_rank_method']!r} must be one of {LOW_RANK_METHODS}")
+    alpha = opts["alpha"]
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+        fail(ValueError, "alpha", f"{alpha!r} must lie in [0, 1]")
+    if calibration is not None and (isinstance(calibration, (torch.Tensor, str, bytes, dict))
+                                    or not hasattr(calibration, "__iter__")):
+        hint = "; for one batch pass [x]" if isinstance(calibration, torch.Tensor) else ""
+        fail(TypeError, "calibration", f"must be an iterable of batches (a list of tensors, tuples or dicts), not "
+             f"{type(calibration).__name__}{hint}")
+
+def _why_not_linear(lin: nn.Linear) -> Optional[str]:
+    "Why no conversion can take `lin`, an `nn.Linear` or a subclass, whatever the options; None when one can."
+    if isinstance(lin.weight, nn.parameter.UninitializedParameter):
+        return f"{type(lin).__name__} is not initialised yet (a lazy module): run the model once before converting it"
+    if type(lin).forward is not nn.Linear.forward:
+        return f"{type(lin).__name__} subclasses nn.Linear with a forward of its own, which a conversion would drop"
+    if lin.weight.is_meta:
+        return "its weight is on the meta device: it has no values to convert"
+    return None
+
+def _linears(model: nn.Module) -> tuple:
+    """`(found, splits)`: `(name, linear, why)` of every linear of `model` in order, `why` None where a conversion can
+    take it, an `nn.MultiheadAttention`'s under the names of its `SplitMultiheadAttention` in `splits` `{name: split}`
+    (one entry for its `out_proj` where it cannot be split)."""
+    found, splits, inside = [], {}, None
+    for name, mod in model.named_modules():
+        if inside is not None and name.startswith(inside):
+            continue                                        # within an nn.MultiheadAttention, taken with it
+        if isinstance(mod, nn.MultiheadAttention):
+            inside = name + "."
+            if (why := why_not_split(mod)):
+                found.append((f"{name}.out_proj", None, f"kept in its {why}"))
+                continue
+            splits[name] = split = SplitMultiheadAttention(mod)
+            found += [(f"{name}.{p}", getattr(split, p), None) for p in PROJECTIONS]
+        elif isinstance(mod, nn.Linear):
+            found.append((name, mod, _why_not_linear(mod)))
+    return found, splits
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    "Put `module` at dotted `name` of `model`."
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+# %% ../nbs/08_layer.ipynb #359785d6
+def _decide(model, fmt, rank, filter, opts) -> tuple:
+    """`(take, skipped, splits)` for `quantize_model`: `{name: linear}` to convert, in model order; `(name, why)` of
+    every other linear; the `SplitMultiheadAttention`s to put in, those with a projection to convert."""
+    found, splits = _linears(model)
+    rows = []
+    for name, lin, why in found:
+        if why is None and filter is not None and not filter(name, lin):
+            why = "rejected by filter"
+        if why is None:
+            try:
+                _check_layer_args(lin.in_features, lin.out_features, rank, fmt, opts["dtype"], opts["backend"],
+                                  opts["kernel_config"], opts["act_fmt"])
+            except (TypeError, ValueError) as e:
+                why = str(e)
+        rows.append((name, lin, why))
+    owner = lambda n: n.rpartition(".")[0] if n.rpartition(".")[0] in splits else None
+    kept = {owner(n) for n, _, why in rows if why is None} - {None}
+    take, skipped = {}, []
+    for name, lin, why in rows:
+        att = owner(name)
+        if att is not None and att not in kept:           # an attention none of whose projections converts stays whole
+            if name.endswith(".q_proj"):    # one line for the attention
+                whys = "; ".join(dict.fromkeys(w for n, _, w in rows if owner(n) == att))
+                why = f"kept in its nn.MultiheadAttention, no projection converts: {whys}"
+                skipped.append((f"{att}.out_proj", why))
+        elif why is None:
+            take[name] = lin
+        else:
+            skipped.append((name, why))
+    return take, skipped, {a: s for a, s in splits.items() if a in kept}
+
 def quantize_model(model: nn.Module, fmt: str = DEFAULT_FMT, rank: int = 32, calibration=None, filter=None, *,
                    quiet: bool = False, **layer_kwargs) -> nn.Module:
     """Replace, in place, every `nn.Linear` of `model` that `filter(name, linear)` accepts (default: all) and the layer
-    can take by `W4A4Linear.from_linear(linear, rank, fmt, ...)`; smooth from the `calibration` batches if given.
-    `layer_kwargs` go to `from_linear` (`dtype`, `backend`, `act_fmt`, ...). Returns `model`, with the
-    `ConversionReport` as `model.w4a4_conversion` (printed unless `quiet`); raises ValueError if nothing converts."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-    if filter is not None and not callable(filter):
-        raise TypeError(f"filter must be callable as filter(name, linear), got {type(filter).__name__}")
+    can take by `W4A4Linear.from_linear(linear, rank, fmt, ...)`, splitting an `nn.MultiheadAttention` to reach its
+    projections; smooth from the `calibration` batches if given. `layer_kwargs` go to `from_linear` (`dtype`,
+    `backend`, `act_fmt`, ...). Returns `model`, with the `ConversionReport` as `model.w4a4_conversion` (printed unless
+    `quiet`). Raises, naming the argument, before any layer changes: a bad argument, nothing to convert, a weight or a
+    calibration input that is not finite."""
     # the options each layer is built with, `from_linear`'s defaults filled in (a misspelt one raises TypeError here)
     opts = inspect.signature(W4A4Linear.from_linear).bind(None, **layer_kwargs)
     opts.apply_defaults()
-    opts = opts.arguments
-    take, skipped = [], []
-    for name, mod in model.named_modules():
-        if type(mod) is not nn.Linear:
-            continue
-        if filter is not None and not filter(name, mod):
-            skipped.append((name, "rejected by filter"))
-            continue
-        try:
-            _check_layer_args(mod.in_features, mod.out_features, rank, fmt, opts["dtype"], opts["backend"],
-                              opts["kernel_config"], opts["act_fmt"])
-        except (TypeError, ValueError) as e:
-            skipped.append((name, str(e)))
-            continue
-        take.append(name)
+    _check_conversion_args(model, fmt, rank, calibration, filter, opts.arguments)
+    take, skipped, splits = _decide(model, fmt, rank, filter, opts.arguments)
     if not take:
         raise ValueError(f"model: no nn.Linear to convert ({len(skipped)} skipped: "
                          f"{'; '.join(f'{n}: {w}' for n, w in skipped) or 'it has none'})")
-    amax = _channel_amax(model, take, calibration) if calibration is not None else {}
-    mods = dict(model.named_modules())
-    for name in take:
-        parent, _, child = name.rpartition(".")
-        new = W4A4Linear.from_linear(mods[name], rank, fmt, amax.get(name), **layer_kwargs)
-        setattr(mods[parent] if parent else model, child, new)
-    model.w4a4_conversion = ConversionReport(take, skipped, bool(amax))
+    for name, lin in take.items():
+        if (why := _nonfinite(lin.weight.detach())):
+            fail(ValueError, "model", f"{name}.weight holds {why}; fix it, or leave the layer out with filter")
+    whole = {a: model.get_submodule(a) for a in splits}
+    for a, split in splits.items():
+        _set_module(model, a, split)
+    try:
+        amax = _channel_amax(model, list(take), calibration) if calibration is not None else {}
+    except BaseException:
+        for a, mha in whole.items():                     # the model as it was
+            _set_module(model, a, mha)
+        raise
+    for name, lin in take.items():
+        layer = W4A4Linear.from_linear(lin, rank, fmt, amax.get(name), **layer_kwargs)
+        layer.layer_name = name
+        _set_module(model, name, layer)
+    model.w4a4_conversion = ConversionReport(list(take), skipped, bool(amax), adapt_fast_paths(model))
     if not quiet:
         print(model.w4a4_conversion)
     return model
@@ -332,21 +676,45 @@ def layer_spec(self: W4A4Linear) -> dict:
     spec = {k: getattr(self, k) for k in SPEC_KEYS}
     return {**spec, "bias": self.bias is not None, "dtype": str(self.dtype).removeprefix("torch.")}
 
+def _check_path(path, writing: bool) -> Path:
+    "`path` as a `Path`; raises, naming `path`, unless it is a file to read, or a file name in a folder that exists."
+    if not isinstance(path, (str, os.PathLike)):
+        fail(TypeError, "path", f"must be a str or an os.PathLike, not {type(path).__name__}")
+    p = Path(path)
+    if not writing:
+        if not p.is_file():
+            fail(FileNotFoundError, "path", f"no file at {str(p)!r}")
+        return p
+    folder = p.parent
+    if p.is_dir():
+        fail(IsADirectoryError, "path", f"{str(p)!r} is a folder; name a file in it")
+    if not folder.is_dir():
+        fail(FileNotFoundError, "path", f"folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        fail(PermissionError, "path", f"{str(p)!r} cannot be written")
+    return p
+
 def save_quantized(model: nn.Module, path) -> None:
     """Save `model`'s `state_dict` and the `layer_spec` of each `W4A4Linear` in it to `path`: with safetensors when the
     name ends in `.safetensors` (the specs go in its metadata), else with `torch.save`."""
+    if not isinstance(model, nn.Module):
+        fail(TypeError, "model", f"must be a torch.nn.Module, not {type(model).__name__}")
+    p = _check_path(path, writing=True)
     specs = {n: m.layer_spec() for n, m in model.named_modules() if isinstance(m, W4A4Linear)}
     if not specs:
         raise ValueError("model: it holds no W4A4Linear; convert it with quantize_model first")
-    if str(path).endswith(".safetensors"):
+    if "" in specs:
+        fail(ValueError, "model", "is a W4A4Linear itself; save its state_dict, as for any module")
+    if p.suffix == ".safetensors":
         from safetensors.torch import save_file
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path), metadata={"w4a4_layers": json.dumps(specs)})
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(p),
+                  metadata={"w4a4_layers": json.dumps(specs)})
     else:
-        torch.save({"w4a4_layers": specs, "state_dict": model.state_dict()}, path)
+        torch.save({"w4a4_layers": specs, "state_dict": model.state_dict()}, p)
 
-def _read_saved(path, map_location) -> tuple:
+def _read_saved(path: Path, map_location) -> tuple:
     "The `(layer specs, state_dict)` that `save_quantized` wrote to `path`."
-    if str(path).endswith(".safetensors"):
+    if path.suffix == ".safetensors":
         from safetensors import safe_open
         with safe_open(str(path), framework="pt", device=str(map_location or "cpu")) as f:
             meta = f.metadata() or {}
@@ -358,18 +726,70 @@ def _read_saved(path, map_location) -> tuple:
         raise ValueError(f"path: {path} was not written by save_quantized")
     return saved["w4a4_layers"], saved["state_dict"]
 
-def load_quantized(model: nn.Module, path, map_location=None) -> nn.Module:
-    "Load what `save_quantized` wrote into `model`, the float architecture: each saved layer replaces the `nn.Linear` at its name."
-    specs, state = _read_saved(path, map_location)
-    mods = dict(model.named_modules())
+# %% ../nbs/08_layer.ipynb #64fef791
+def _replacements(model: nn.Module, specs: dict) -> dict:
+    """`{name: module}` that `load_quantized` puts into `model`: a `W4A4Linear` of each spec where its `nn.Linear` sits,
+    and a `SplitMultiheadAttention` holding them for an `nn.MultiheadAttention` whose projections were converted.
+    Built beside `model`, which it leaves as it was; raises naming `model` where a spec finds no linear of its shape."""
+    mods, new = dict(model.named_modules()), {}
+    if "" in specs:
+        fail(ValueError, "path", "holds a lone W4A4Linear, not a model; build the layer and load its state_dict")
     for name, spec in specs.items():
-        lin = mods.get(name)
+        parent, _, child = name.rpartition(".")
+        split = isinstance(mods.get(parent), nn.MultiheadAttention) and child in PROJECTIONS
+        if split and not parent:
+            fail(TypeError, "model", "is itself an nn.MultiheadAttention; load into SplitMultiheadAttention(model)")
+        if split and parent not in new:
+            if (why := why_not_split(mods[parent])):
+                fail(ValueError, "model", f"{parent!r} is an {why}, but the saved model split it")
+            new[parent] = SplitMultiheadAttention(mods[parent])
+        lin = getattr(new[parent], child) if split else mods.get(name)
         if not isinstance(lin, nn.Linear) or (lin.in_features, lin.out_features) != (spec["in_features"], spec["out_features"]):
-            raise ValueError(f"model: {name!r} is not an nn.Linear({spec['in_features']}, {spec['out_features']}) "
-                             f"as in the saved model, it is {type(lin).__name__}")
+            fail(ValueError, "model", f"{name!r} is not an nn.Linear({spec['in_features']}, {spec['out_features']}) "
+                 f"as in the saved model, it is {type(lin).__name__}")
         layer = W4A4Linear(*(spec[k] for k in SPEC_KEYS[:4]), spec["bias"], dtype=getattr(torch, spec["dtype"]),
                            act_fmt=spec["act_fmt"], backend=spec["backend"], device=lin.weight.device)
-        parent, _, child = name.rpartition(".")
-        setattr(mods[parent] if parent else model, child, layer)
-    model.load_state_dict(state, strict=True)
+        layer.layer_name = name
+        if split:
+            setattr(new[parent], child, layer)
+        else:
+            new[name] = layer
+    return new
+
+def _check_state(model: nn.Module, new: dict, state: dict, path) -> None:
+    "Raise, naming the first key that differs, unless `state` loads strictly into `model` with `new`'s modules put in."
+    inside = tuple(n + "." for n in new)
+    want = {k: v.shape for k, v in model.state_dict().items() if not k.startswith(inside)}
+    for n, m in new.items():
+        want.update({f"{n}.{k}": v.shape for k, v in m.state_dict().items()})
+    for k, shape in want.items():
+        if k not in state:
+            fail(ValueError, "path", f"{path} does not match model: it lacks {k!r}")
+        if state[k].shape != shape:
+            fail(ValueError, "path", f"{path} does not match model: {k!r} has shape {tuple(state[k].shape)} there, "
+                 f"{tuple(shape)} in model")
+    if (extra := next((k for k in state if k not in want), None)) is not None:
+        fail(ValueError, "path", f"{path} does not match model: it holds {extra!r}, which model has not")
+
+def load_quantized(model: nn.Module, path, map_location=None) -> nn.Module:
+    """Load what `save_quantized` wrote into `model`, the float architecture: each saved layer replaces the `nn.Linear`
+    at its name (an `nn.MultiheadAttention` is split where its projections were converted), then the state loads
+    strictly. All or nothing: a model that does not match the file is left as it was, and the error names the first
+    key that differs."""
+    if not isinstance(model, nn.Module):
+        fail(TypeError, "model", f"must be a torch.nn.Module, not {type(model).__name__}")
+    p = _check_path(path, writing=False)
+    specs, state = _read_saved(p, map_location)
+    new = _replacements(model, specs)
+    _check_state(model, new, state, p)
+    old = {n: model.get_submodule(n) for n in new}
+    for n, m in new.items():
+        _set_module(model, n, m)
+    try:
+        model.load_state_dict(state, strict=True)
+    except BaseException:
+        for n, m in old.items():
+            _set_module(model, n, m)
+        raise
+    adapt_fast_paths(model)
     return model

@@ -15,14 +15,14 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import gemm, operands
-from .formats import QTensor, check_fmt, quantize, reciprocal
+from .formats import PG_GROUP, QTensor, check_fmt, dequantize, quantize, reciprocal, unpack_int4
 from .operands import OPERAND_PAIRS, Problem, fail
 from .reference import w4a4_gemm_ref
 
 # %% auto #0
 __all__ = ['BACKENDS', 'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'BOUND_ACT_FORMATS', 'config_key', 'config_from_key',
            'why_not_sm90', 'plan', 'weights', 'lora_down_t', 'quantize_act_ref', 'quantize_act_sm90', 'BoundLinear',
-           'bound_linear', 'w4a4_linear']
+           'bound_linear', 'w4a4_linear', 'dequantized_weight', 'linear_grad_input']
 
 # %% ../nbs/08c_ops.ipynb #cd7d0487
 BACKENDS = ("auto", "reference", "sm90")
@@ -292,3 +292,45 @@ def _(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smoot
     _check_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up,
                   wcscales, bias, fmt, act_fmt, backend, config)
     return x.new_empty(x.shape[0], qweight_data.shape[0])
+
+# %% ../nbs/08c_ops.ipynb #b638b940
+def dequantized_weight(qweight_data: torch.Tensor, qweight_scales: torch.Tensor, fmt: str,
+                       qweight_global_scale: Optional[torch.Tensor] = None,
+                       qweight_base: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A layer's residual weight `[N, K]` in float32 from its buffers: `formats.dequantize` of them, computed without
+    reading a value (int4_pg's `q * u` exact in float32, then one rounding by `base`), so a compiler can trace it."""
+    if fmt == "int4_pg":
+        u = qweight_scales.T.float().repeat_interleave(PG_GROUP, dim=1)
+        return unpack_int4(qweight_data).float() * u * qweight_base[:, None]
+    return dequantize(QTensor.trusted(qweight_data, qweight_scales, fmt, qweight_global_scale, qweight_base))
+
+def linear_grad_input(grad, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down,
+                      lora_up, wcscales, fmt: str) -> torch.Tensor:
+    """The gradient of `w4a4::linear` with respect to its input for `grad` `[M, N]`: `[M, K]` in `grad`'s dtype,
+    straight through each rounding, `((grad * wcscales) @ W) / smooth + ((grad * wcscales) @ lora_up) @ lora_down.T`
+    with `W` the dequantized residual; float32 inside."""
+    g = grad.float() * wcscales.float()
+    w = dequantized_weight(qweight_data, qweight_scales, fmt, qweight_global_scale, qweight_base)
+    gx = (g @ w) * reciprocal(smooth.float())
+    if lora_up is not None:
+        gx = gx + (g @ lora_up.float()) @ lora_down.float().T
+    return gx.to(grad.dtype)
+
+_BUFFERS = ("qweight_data", "qweight_scales", "qweight_global_scale", "qweight_base", "smooth", "lora_down", "lora_up",
+            "wcscales", "bias")     # the op's tensor arguments after x
+
+def _setup_context(ctx, inputs, output) -> None:
+    "Keep what `linear_grad_input` reads; refuse, naming it, a buffer that requires grad: the op gives it none."
+    for name, needs in zip(_BUFFERS, ctx.needs_input_grad[1:10]):
+        if needs:
+            fail(ValueError, name, "requires grad, but w4a4::linear differentiates only x (its buffers are frozen "
+                 "codes and scales); call requires_grad_(False) on it, or train a float module beside the layer")
+    ctx.save_for_backward(*inputs[1:9])
+    ctx.fmt = inputs[10]
+
+def _backward(ctx, grad):
+    "The input's gradient (`linear_grad_input`), None for every other argument."
+    gx = linear_grad_input(grad, *ctx.saved_tensors, ctx.fmt) if ctx.needs_input_grad[0] else None
+    return (gx,) + (None,) * 13
+
+torch.library.register_autograd("w4a4::linear", _backward, setup_context=_setup_context, lib=_LIB)
