@@ -1,5 +1,7 @@
 from configparser import ConfigParser
-import setuptools, shlex
+from pathlib import Path
+import setuptools, shlex, shutil
+from setuptools.command.build_py import build_py
 
 # note: all settings are in settings.ini; edit there, not here
 config = ConfigParser(delimiters=['='])
@@ -24,7 +26,22 @@ lic = licenses.get(cfg['license'].lower(), (cfg['license'], None))
 min_python = cfg['min_python']
 console_scripts = cfg.get('console_scripts', '').split()
 
+class build_py_with_records(build_py):
+    """Also copy the records (nbs/data/*.json, *.csv) and nbs/citations.json into the built package, as
+    <lib_path>/nbs/, so that a non-editable install finds them (records.data_dir); an editable install reads the checkout's."""
+    def run(self):
+        super().run()
+        if getattr(self, 'editable_mode', False):
+            return
+        src, dest = Path('nbs'), Path(self.build_lib) / cfg['lib_path'] / 'nbs'
+        (dest / 'data').mkdir(parents=True, exist_ok=True)
+        for f in sorted((src / 'data').iterdir()):
+            if f.suffix in ('.json', '.csv'):
+                shutil.copy2(f, dest / 'data' / f.name)
+        shutil.copy2(src / 'citations.json', dest / 'citations.json')
+
 setuptools.setup(
+    cmdclass = {'build_py': build_py_with_records},
     name = cfg['lib_name'],
     license = lic[0],
     classifiers = [

@@ -52,7 +52,7 @@ def test_m1024_is_a_named_set_outside_all():
     assert bench_problems("m1024") == [(1024, n, k, 32) for k, n in kn]
     assert 1024 not in {M for M, *_ in bench_problems()}
     args = _parser().parse_args(["--shapes", "m1024"])
-    assert bench_problems(args.shapes, args.ranks) == bench_problems("m1024") and report._tag(args) == "m1024"
+    assert bench_problems(args.shapes, args.ranks) == bench_problems("m1024") and report._tag(args) == "int4_pg_m1024"
     assert bench_layer.layer_shapes("m1024") == [(1024, k, n) for k, n in kn]
     assert bench_layer.layer_shapes() == [s for name in ("m4352", "m256", "m1024") for s in bench_layer.layer_shapes(name)]
 
@@ -380,7 +380,8 @@ def test_kernel_unavailable_names_the_reason(monkeypatch):
 
 
 def test_modules_import_one_way():
-    "report -> workloads -> timing, never back; the layer benchmark uses the harness, and nothing in it imports the layer's benchmark."
+    """report -> workloads -> timing, never back; the layer benchmark uses the harness and the report, and nothing in
+    them imports the layer's benchmark."""
     pkg = Path(workloads.__file__).parent
     def deps(name):
         tree = ast.parse((pkg / f"{name}.py").read_text())
@@ -388,7 +389,8 @@ def test_modules_import_one_way():
     assert deps("timing") == set()
     assert deps("workloads") == {"timing"}
     assert deps("report") == {"timing", "workloads"}
-    assert deps("layer") == {"timing", "workloads"}
+    assert deps("layer") == {"timing", "workloads", "report"}     # the README's records: printed first without a GPU
+    assert deps("block") == {"layer", "timing", "workloads", "report"}
 
 
 def _row(method="w4a4_v1", kernel=True, M=256, N=3072, K=3840, R=32, tf=None, m=None, **kw):
@@ -453,7 +455,8 @@ def test_cli_command_round_trip():
 
 def test_cli_record_names_never_collide_across_formats():
     tag = lambda *argv: report._tag(_parser().parse_args(list(argv)))
-    assert tag("--shapes", "all") == "all"                                   # int4: the names of the existing records
+    assert tag("--shapes", "all", "--fmt", "int4") == "all"                  # int4: the names of the existing records
+    assert tag("--shapes", "all") == "int4_pg_all"                           # the default format, int4_pg
     assert tag("--shapes", "m4352", "--fmt", "int4_pg") == "int4_pg_m4352"
     assert tag("--fmt", "int8") == "int8_all"
     assert tag("--fmt", "int4_pg", "--tag", "x") == "x"
@@ -583,11 +586,11 @@ def test_cli_save_then_check(fake_h200, tmp_path, capsys):
     fake_h200.setattr(report, "bench_problems", lambda which, ranks: [(64, 128, 128, 16)])
     fake_h200.setattr(workloads, "kernel_unavailable", lambda config=None: None)
     fake_h200.setitem(workloads.METHODS, "w4a4_v1", Method("w4a4_v1", torch_bf16, kernel=True))   # a stand-in kernel
-    common = ["--shapes", "m256", "--methods", "torch_bf16", "w4a4_v1", "--iters", "20"]
+    common = ["--shapes", "m256", "--methods", "torch_bf16", "w4a4_v1", "--fmt", "int4", "--iters", "20"]
     record = tmp_path / "bench_h200_test.json"
     assert report.bench_cli(common + ["--out", str(record)]) == 0
     prov, rows = load_record(record)
-    assert prov["command"] == "w4a4-book bench " + " ".join(common[:-2] + ["--fmt", "int4", "--iters", "20", "--warmup", "10"])
+    assert prov["command"] == "w4a4-book bench " + " ".join(common[:-2] + ["--iters", "20", "--warmup", "10"])
     assert prov["mfu_peak_tflops"] == 1979.0 and [r["method"] for r in rows] == ["torch_bf16", "w4a4_v1"]
     assert report.bench_cli(common + ["--check", "--baseline", str(record)]) == 0
     fake_h200.setattr(workloads, "time_cuda", lambda fn, **kw: dict(median_ms=2.0, p10_ms=1.9, p90_ms=2.1, n=kw["iters"]))
@@ -817,9 +820,12 @@ def test_cli_int4_pg_run_prints_its_targets(fake_h200, tmp_path, capsys):
 
 
 def test_record_line():
+    "The re-measure command, with the format a command that names none ran with (int4, then the default)."
     prov = provenance("w4a4-book bench --shapes 8192", [[8192, 8192, 8192, 32]])
     line = record_line("bench_x.json", prov)
-    assert line.startswith("`bench_x.json`: ") and line.endswith("Re-measure: `w4a4-book bench --shapes 8192`")
+    assert line.startswith("`bench_x.json`: ") and line.endswith("Re-measure: `w4a4-book bench --fmt int4 --shapes 8192`")
+    stock = record_line("bench_y.json", {**prov, "command": "w4a4-book bench --methods cute_int8_gemm --fmt int4_pg"})
+    assert stock.endswith("--fmt int4_pg` (`cute_int8_gemm`: " + report.STOCK_SETUP + ")")
     with pytest.raises(ValueError, match="command"):
         record_line("bench_x.json", {**prov, "command": ""})
 

@@ -52,7 +52,7 @@ def test_accounting_rows_single_cta_has_no_bug():
     assert all(r["main_stages"] or "note" in r for r in rows)
 
 
-@pytest.mark.parametrize("kw, match", [(dict(ranks=(24,)), "lora_rank=24"), (dict(ranks=32), "ranks"),
+@pytest.mark.parametrize("kw, match", [(dict(ranks=(24,)), r"ranks: \[24\]"), (dict(ranks=32), "ranks"),
                                        (dict(ranks=()), "ranks"), (dict(cluster_n=3), "cluster_n=3")])
 def test_accounting_rows_rejects_bad_input(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -260,6 +260,8 @@ def test_repro_cli_without_gpu_prints_the_story_then_the_move(no_kernel, capsys)
     "Without a GPU: the verdict, then the Hopper move, and the long tables only with --all."
     assert main(["repro", "lora-bug"]) == 0
     out = capsys.readouterr().out
+    assert out.splitlines()[0] == repro.summary() == ("The LoRA fix: main stages 2 -> 4; 1.45x on one B200 "
+                                                      "(the +198% compares a B300 with a B200)")
     story, move = out.index("+198%"), out.index("Hopper pairs where the bug moves")
     assert story < move and "1.45x" in out[:move] and "L=3 chunk 64" in out[move:]
     assert "Recorded measurements" not in out and "--all" in out
@@ -280,7 +282,7 @@ def test_sweep_cli_without_gpu_prints_recorded(no_kernel, capsys):
     assert main(["sweep-stages"]) == 0
     out = capsys.readouterr().out
     for path, prov, _ in _records("sweep_stages"):
-        assert f"recorded: `{path.name}`" in out and f"Re-measure: `{prov['command']}`" in out
+        assert f"recorded: `{path.name}`" in out and f"Re-measure: `{records.remeasure(prov, path.name)}`" in out
 
 
 def test_sweep_cli_rejects_a_bad_cluster(no_kernel, capsys):
@@ -289,10 +291,22 @@ def test_sweep_cli_rejects_a_bad_cluster(no_kernel, capsys):
 
 
 def test_recorded_sweep_commands_still_parse():
-    "A record's command names kernels by registry name (`--versions`), so it re-runs as written."
-    for path, prov, _ in _records("sweep_stages"):
-        args = parser("sweep-stages").parse_args(prov["command"].split()[1:])
-        assert [gemm.find_kernel(v).kernel for v in args.versions] == args.versions, path.name
+    """A record's re-measure command names kernels by registry name (`--versions`) and the format its rows were swept
+    in (`--fmt`: the records made when int4 was the default name none, and `records.remeasure` adds it), so it re-runs
+    what was measured."""
+    for path, prov, rows in _records("sweep_stages"):
+        args = parser("sweep-stages").parse_args(records.remeasure(prov).split()[1:])
+        assert {r.get("fmt", "int4") for r in rows} == {args.fmt}, path.name
+        assert [gemm.find_kernel(v, args.fmt).kernel for v in args.versions] == args.versions, path.name
+
+
+def test_sweep_command_names_its_format():
+    "A new record's command spells out `--fmt`, whatever the default, so a later change of default cannot re-type it."
+    for argv in ([], ["--fmt", "int4"]):
+        args = parser("sweep-stages").parse_args(["sweep-stages", *argv])
+        cmd = sweep.command(args, ["v2"])
+        assert f"--fmt {args.fmt}" in cmd and parser("sweep-stages").parse_args(cmd.split()[1:]).fmt == args.fmt
+    assert parser("sweep-stages").parse_args(["sweep-stages"]).fmt == gemm.DEFAULT_FMT == "int4_pg"
 
 
 # ---------------------------------------------------------------- the GPU path, with the GPU faked

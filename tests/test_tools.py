@@ -91,7 +91,7 @@ def test_kernel_is_a_registry_name():
     assert ncu_stalls.kernel_config("v1")[1] == HopperV1Config()
     assert ncu_stalls.kernel_config("v2")[1] == HopperV2Config()
     spec, config = ncu_stalls.kernel_config(None)
-    assert spec.kernel == gemm.find_kernel().kernel and config == gemm.default_config()
+    assert spec.kernel == gemm.find_kernel(fmt="int4").kernel and config == gemm.default_config("int4")   # the tool's int4
     with pytest.raises(ValueError, match="kernel"):
         ncu_stalls.kernel_config("v3")
 

@@ -10,7 +10,7 @@ records the book reads (the LoRA bug's move with its depth curves, and the int4_
 `suite` runs `pytest -m gpu` (spread over `--workers` processes with pytest-xdist where it is installed), then runs the
 tests that failed again, one process, so that a failure caused by sharing the GPU is told apart from a real one.
 """
-import argparse, os, re, subprocess, sys, time
+import argparse, re, subprocess, sys, tempfile, time
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -165,7 +165,8 @@ def main(argv=None) -> int:
         return 0
     from w4a4_book.records import provenance, save_record
     if a.what == "suite":
-        rows = run_suite(a.workers, Path(os.environ.get("TMPDIR", "/tmp")) / "gpu_suite.xml")
+        with tempfile.TemporaryDirectory(prefix="gpu_suite-") as d:     # two suites at once never share a report
+            rows = run_suite(a.workers, Path(d) / "gpu_suite.xml")
         shapes = [["pytest -m gpu"]]
     else:
         rows = run_sanitize(a.workers)

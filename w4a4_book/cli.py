@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import functools
 import html
 import importlib
@@ -23,11 +24,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 # %% auto #0
-__all__ = ['COMMANDS', 'TRACEBACK_VAR', 'PAGE_SUFFIXES', 'BOOK_CSS', 'ENGINES', 'Command', 'parser', 'main', 'sidebar_files',
-           'drop_missing', 'rm_default_exp', 'to_run', 'exec_defs', 'order_show_docs', 'drop_output_file',
-           'localize_links', 'book_procs', 'process_notebook', 'process_notebooks', 'build_site', 'build_quarto',
-           'offline_math', 'make_offline', 'with_book_css', 'render_book', 'render_arguments', 'render_command',
-           'book_server', 'serve_arguments', 'serve_command']
+__all__ = ['COMMANDS', 'TRACEBACK_VAR', 'PAGE_SUFFIXES', 'BOOK_CSS', 'ENGINES', 'Command', 'OneLineParser', 'parser', 'main',
+           'sidebar_files', 'drop_missing', 'rm_default_exp', 'to_run', 'exec_defs', 'order_show_docs',
+           'drop_output_file', 'localize_links', 'book_procs', 'process_notebook', 'process_notebooks', 'build_site',
+           'build_quarto', 'offline_math', 'make_offline', 'with_book_css', 'check_render', 'render_book',
+           'render_arguments', 'render_command', 'book_server', 'port_number', 'serve_arguments', 'serve_command']
 
 # %% ../nbs/13_cli.ipynb #d25a0d69
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ COMMANDS: dict[str, Command] = {
                       add="render_arguments", run="render_command"),
     "serve": Command("w4a4_book.cli", "serve the built book on 127.0.0.1, so search works in a browser",
                      add="serve_arguments", run="serve_command"),
-    "compile": Command("w4a4_book.gemm", "compile a kernel for sm_90a with no GPU and report its shared memory and PTX",
+    "compile": Command("w4a4_book.gemm", "compile a kernel (sm_90a, sm_100a) with no GPU: its shared memory and PTX",
                        add="compile_arguments", run="compile_command"),
     "bench": Command("w4a4_book.bench.report", "time the W4A4 kernels against torch baselines on a Hopper GPU"),
     "repro": Command("w4a4_book.repro", "reproduce the LoRA accounting experiment (recorded data without a GPU)"),
@@ -61,12 +62,17 @@ COMMANDS: dict[str, Command] = {
 # %% ../nbs/13_cli.ipynb #1f6cbe18
 TRACEBACK_VAR = "W4A4_BOOK_TRACEBACK"   # set it to see the traceback behind a command's one-line error
 
+class OneLineParser(argparse.ArgumentParser):
+    "An `ArgumentParser` whose usage errors are one line on stderr, naming the argument, and exit code 2."
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
 def parser(command: str | None = None) -> argparse.ArgumentParser:
     "The `w4a4-book` parser; only `command`'s module is imported, to add that subcommand's options."
     if command is not None and command not in COMMANDS:
         raise ValueError(f"command must be one of {', '.join(COMMANDS)}, got {command!r}")
     from w4a4_book import __version__
-    p = argparse.ArgumentParser(prog="w4a4-book", description="Build the W4A4 book and run its experiments.")
+    p = OneLineParser(prog="w4a4-book", description="Build the W4A4 book and run its experiments.")
     p.add_argument("--version", action="version", version=f"w4a4-book {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, c in COMMANDS.items():
@@ -82,10 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser(command if command in COMMANDS else None).parse_args(argv)
     try:
         return COMMANDS[args.command].function("run")(args)
-    except ValueError as e:                  # a value the command rejects: one line, as argparse's own errors
+    except BrokenPipeError:                      # the reader went away (`| head`): nothing is wrong, nothing to say
+        with contextlib.suppress(Exception):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (ValueError, TypeError, OSError) as e:   # a value the command rejects, a path it cannot use: one line
         if os.environ.get(TRACEBACK_VAR):
             raise
-        print(f"w4a4-book {args.command}: error: {e} (set {TRACEBACK_VAR}=1 for the traceback)", file=sys.stderr)
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"w4a4-book {args.command}: error: {msg} (set {TRACEBACK_VAR}=1 for the traceback)", file=sys.stderr)
         return 2
 
 # %% ../nbs/13_cli.ipynb #c29e6798
@@ -335,19 +346,50 @@ def with_book_css(config: dict) -> dict:
 # %% ../nbs/13_cli.ipynb #7830ead2
 ENGINES = ("smalldocs", "quarto")
 
-def render_book(root: Path | str = ".", dest: Path | str | None = None, proc: Path | str | None = None,
-                engine: str = "smalldocs", quiet: bool = False) -> Path:
-    "Build the book of the checkout at `root` into `dest` (default `doc_path`: `_docs/`), via `proc` (default `_proc/`)."
+def check_render(root: Path | str = ".", dest: Path | str | None = None, engine: str = "smalldocs",
+                 names: dict | None = None) -> tuple:
+    """Raise, naming the argument (`names` renames them: the command line's `--dest`), unless a book can be rendered:
+    `engine` is known and its tools installed, `root` is in a checkout of the book, and `dest` (default `doc_path`)
+    can be replaced by the site: a folder or nothing yet, empty or a built book, in a folder this process can write
+    in. Returns `(nbdev config, dest)`; everything is checked before anything is processed."""
+    import tempfile
+    nm = {"root": "root", "dest": "dest", "engine": "engine", **(names or {})}
     if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    import yaml
+        raise ValueError(f"{nm['engine']}: must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "quarto" and shutil.which("quarto") is None:
+        raise ValueError(f"{nm['engine']}: quarto needs the quarto binary on PATH; the default, smalldocs, needs none")
     from nbdev.config import get_config
     from fastcore.xtras import working_directory
-    cfg = get_config(path=Path(root).resolve())
-    config_file = cfg.config_path/"_quarto.yml"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file}: the book's config is missing")
+    here = Path(root).resolve()
+    top = next((d for d in (here, *here.parents) if (d/"settings.ini").is_file() and (d/"_quarto.yml").is_file()), None)
+    if top is None:
+        raise ValueError(f"{nm['root']}: {here} is not in a checkout of the book (no settings.ini with a _quarto.yml "
+                         "beside it, here or above); run render from the clone")
+    with working_directory(top):                 # nbdev finds its settings from the working folder, not from `path`
+        cfg = get_config(path=top)
     dest = Path(dest) if dest is not None else cfg.doc_path
+    if dest.exists() and not dest.is_dir():
+        raise ValueError(f"{nm['dest']}: {dest} is a file; render replaces a folder")
+    if dest.is_dir() and any(dest.iterdir()) and not (dest/"index.html").is_file():
+        raise ValueError(f"{nm['dest']}: {dest} holds files but no built book (no index.html); render replaces the "
+                         "folder it writes, so it will not take this one")
+    parent = dest.resolve().parent
+    if not parent.is_dir():
+        raise ValueError(f"{nm['dest']}: the folder {parent} does not exist")
+    try:
+        tempfile.TemporaryDirectory(dir=parent, prefix=".w4a4-book-probe-").cleanup()
+    except OSError as e:
+        raise ValueError(f"{nm['dest']}: cannot write in {parent} ({e.strerror or e})") from None
+    return cfg, dest
+
+def render_book(root: Path | str = ".", dest: Path | str | None = None, proc: Path | str | None = None,
+                engine: str = "smalldocs", quiet: bool = False) -> Path:
+    """Build the book of the checkout at `root` into `dest` (default `doc_path`: `_docs/`), via `proc` (default
+    `_proc/`), after `check_render`."""
+    import yaml
+    from fastcore.xtras import working_directory
+    cfg, dest = check_render(root, dest, engine)
+    config_file = cfg.config_path/"_quarto.yml"
     proc = Path(proc) if proc is not None else cfg.config_path/"_proc"
     config, missing = drop_missing(yaml.safe_load(config_file.read_text()), cfg.nbs_path)
     for f in missing:
@@ -381,6 +423,7 @@ def render_command(args: argparse.Namespace) -> int:
     if missing:                                  # the docs tools are dev extras
         print(f"render needs the dev extras ({missing} is missing): pip install -e '.[dev]'", file=sys.stderr)
         return 1
+    check_render(".", args.dest, args.engine, names={"root": "working folder", "dest": "--dest", "engine": "--engine"})
     dest = render_book(dest=args.dest, engine=args.engine, quiet=args.quiet)
     print(f"render: wrote {os.path.relpath(dest)}")
     return 0
@@ -388,27 +431,56 @@ def render_command(args: argparse.Namespace) -> int:
 # %% ../nbs/13_cli.ipynb #b2e0d002
 def book_server(folder: Path | str, port: int = 0) -> ThreadingHTTPServer:
     "An HTTP server, bound but not yet serving, of the built book in `folder` on 127.0.0.1:`port` (0: a free port)."
+    import errno
     folder = Path(folder)
     if not (folder/"index.html").is_file():
         raise ValueError(f"dir {folder} has no index.html: run `w4a4-book render` first")
-    return ThreadingHTTPServer(("127.0.0.1", port), functools.partial(SimpleHTTPRequestHandler, directory=str(folder)))
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port: must be an int in [0, 65535] (0 picks a free one), got {port!r}")
+    try:
+        handler = functools.partial(SimpleHTTPRequestHandler, directory=str(folder))
+        return ThreadingHTTPServer(("127.0.0.1", port), handler)
+    except OSError as e:
+        why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror or e})"
+        raise ValueError(f"port: 127.0.0.1:{port} {why}; pick another, or 0 for a free one") from None
+
+def port_number(text: str) -> int:
+    "`--port`'s type: an int in [0, 65535], refused by argparse in one line otherwise."
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: must be in [0, 65535] (0 picks a free one)")
+    return port
 
 def serve_arguments(p: argparse.ArgumentParser) -> None:
     "Options of `w4a4-book serve`."
     p.add_argument("--dir", type=Path, default=None, help="folder to serve (default: doc_path of settings.ini, _docs)")
-    p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default: 8000; 0 picks a free one)")
+    p.add_argument("--port", type=port_number, default=8000,
+                   help="port on 127.0.0.1 (default: 8000; 0 picks a free one)")
+
+def _stop(signum, frame):
+    "A SIGTERM handler: stop serving as Ctrl-C does."
+    raise KeyboardInterrupt
 
 def serve_command(args: argparse.Namespace) -> int:
-    "Run `w4a4-book serve`: serve the built book on 127.0.0.1 until Ctrl-C."
+    """Run `w4a4-book serve`: serve the built book on 127.0.0.1 until Ctrl-C (SIGINT) or SIGTERM. It handles SIGTERM
+    itself, so it stops even where it was started with SIGINT ignored (a background job of a script, `nohup`)."""
+    import signal, threading
     folder = args.dir
     if folder is None:
         from nbdev.config import get_config
         folder = get_config().doc_path
     with book_server(folder, args.port) as httpd:
-        print(f"serving {folder} at http://127.0.0.1:{httpd.server_port}/ (Ctrl-C stops)", flush=True)
+        main_thread = threading.current_thread() is threading.main_thread()    # only there can a handler be set
+        before = signal.signal(signal.SIGTERM, _stop) if main_thread else None
+        print(f"serving {folder} at http://127.0.0.1:{httpd.server_port}/ (Ctrl-C or SIGTERM stops)", flush=True)
         try:
             httpd.serve_forever()
         except KeyboardInterrupt:
             pass
+        finally:
+            if before is not None: signal.signal(signal.SIGTERM, before)   # None: a handler not set from Python
     return 0
 

@@ -26,16 +26,16 @@ from .formats import QTensor, reciprocal
 from .operands import Problem, fail
 
 # %% auto #0
-__all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'SCALE_DTYPE',
+__all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_FMT', 'DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'SCALE_DTYPE',
            'KERNEL_CACHE_ENV', 'CACHE_STATS', 'ACT_CTAS_PER_SM', 'ACT_STAGES', 'ACT_SHARE_BLOCKS', 'QUANT_ARGS',
            'ROW_CODES_ARGS', 'ACTIVATION_FORMATS', 'MAX_STREAM_WORKSPACES', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS',
-           'QUANT_MODES', 'KernelSpec', 'register', 'spec_for', 'find_kernel', 'default_config', 'problem_fields',
-           'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport', 'compile_launchable',
-           'compile_on_fakes', 'example_problem', 'compile_kernel', 'kernel_cache_dir', 'cache_name', 'store_kernel',
-           'launchable', 'compiled_kernel', 'kept', 'derived', 'gemm_launcher', 'BoundGemm', 'gemm_bound', 'gemm_w4a4',
-           'compile_arguments', 'compile_command', 'sm_count', 'k_splits', 'quant_specs', 'constant',
-           'quantize_lora_down', 'stream_workspace', 'BoundRows', 'bind_quantize_rows', 'one_pass_smem',
-           'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
+           'QUANT_MODES', 'KernelSpec', 'register', 'spec_for', 'default_fmt', 'find_kernel', 'default_config',
+           'problem_fields', 'bind', 'cluster_size', 'tile_choice', 'check', 'build', 'CompileReport',
+           'compile_launchable', 'compile_on_fakes', 'example_problem', 'compile_kernel', 'kernel_cache_dir',
+           'cache_name', 'store_kernel', 'launchable', 'compiled_kernel', 'kept', 'derived', 'gemm_launcher',
+           'BoundGemm', 'gemm_bound', 'gemm_w4a4', 'kernel_table', 'compile_arguments', 'compile_command', 'sm_count',
+           'k_splits', 'quant_specs', 'constant', 'quantize_lora_down', 'stream_workspace', 'BoundRows',
+           'bind_quantize_rows', 'one_pass_smem', 'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
 
 # %% ../nbs/05a_gemm.ipynb #2b4854c8
 @dataclass(frozen=True)
@@ -90,6 +90,7 @@ register(KernelSpec("sm_100a", "v2", "nvfp4", "block_scaled", smem.Sm100V2Config
 
 # the fastest verified kernel for each (arch, weight format): what `gemm_w4a4` and `W4A4Linear` use by default
 DEFAULTS = {("sm_90a", "int4"): ("v2", "promote"), ("sm_90a", "int4_pg"): ("v2", "rs")}
+DEFAULT_FMT = "int4_pg"   # the weights' format where none is named: the layer's (`layers.DEFAULT_FMT`), every command's
 
 # %% ../nbs/05a_gemm.ipynb #904d412e
 def spec_for(config) -> KernelSpec:
@@ -98,8 +99,21 @@ def spec_for(config) -> KernelSpec:
         if type(config) is s.config: return s
     fail(TypeError, "config", f"expected one of {[s.config.__name__ for s in REGISTRY.values()]}, got {type(config).__name__}")
 
-def find_kernel(kernel: Optional[str] = None, fmt: str = "int4", arch: str = "sm_90a", mainloop: Optional[str] = None) -> KernelSpec:
-    "The registry row for `kernel` (default: the format's default) computing `fmt` on `arch` with `mainloop` (default: the only one, or the default's)."
+def default_fmt(arch: str = "sm_90a") -> str:
+    "The weights' format a kernel for `arch` computes where none is named: `DEFAULT_FMT`, or the arch's only format."
+    archs = sorted({s.arch for s in REGISTRY.values()})
+    if arch not in archs:
+        fail(ValueError, "arch", f"{arch!r}: no kernel compiles for it; registered: {', '.join(archs)}")
+    fmts = [s.fmt for s in REGISTRY.values() if s.arch == arch]
+    return DEFAULT_FMT if DEFAULT_FMT in fmts else fmts[0]
+
+def find_kernel(kernel: Optional[str] = None, fmt: Optional[str] = None, arch: str = "sm_90a",
+                mainloop: Optional[str] = None) -> KernelSpec:
+    """The registry row for `kernel` (default: the format's default) computing `fmt` (default: `default_fmt(arch)`)
+    on `arch` with `mainloop` (default: the only one, or the default's)."""
+    for name, v in (("kernel", kernel), ("fmt", fmt), ("arch", arch), ("mainloop", mainloop)):
+        if v is not None and not isinstance(v, str): fail(TypeError, name, f"must be a str, got {v!r}")
+    fmt = fmt or default_fmt(arch)
     rows = [s for s in REGISTRY.values() if s.arch == arch and s.fmt == fmt]
     if not rows: fail(ValueError, "fmt", f"no kernel computes {fmt!r} on {arch}; registered: "
                       f"{sorted({(s.arch, s.fmt) for s in REGISTRY.values()})}")
@@ -113,11 +127,21 @@ def find_kernel(kernel: Optional[str] = None, fmt: str = "int4", arch: str = "sm
     if not rows: fail(ValueError, "mainloop", f"{mainloop!r}: {kernel} on {fmt} has no such mainloop")
     return rows[0]
 
-def default_config(fmt: str = "int4", arch: str = "sm_90a", problem=None):
-    """The config of the default kernel for `fmt` on `arch`, every field at its default; given `problem`, the first
-    activation-tile height of `TILE_CHOICES` whose shared-memory budget keeps `MIN_STAGES` main stages (`tile_choice`)."""
-    cfg = find_kernel(None, fmt, arch).config()
+def default_config(fmt: Optional[str] = None, arch: str = "sm_90a", problem=None):
+    """The config of the default kernel for `fmt` (default: `default_fmt(arch)`) on `arch`, every field at its default;
+    given `problem`, the first activation-tile height of `TILE_CHOICES` whose shared-memory budget keeps `MIN_STAGES`
+    main stages (`tile_choice`)."""
+    if problem is not None and not isinstance(problem, Problem):
+        fail(TypeError, "problem", f"expected an operands.Problem, got {type(problem).__name__}")
+    if not isinstance(fmt, (str, type(None))): fail(TypeError, "fmt", f"must be a str or None, got {fmt!r}")
+    if not isinstance(arch, str): fail(TypeError, "arch", f"must be a str, got {arch!r}")
+    cfg = _default_unbound(fmt, arch)
     return cfg if problem is None else tile_choice(cfg, problem)
+
+@functools.lru_cache(maxsize=None)
+def _default_unbound(fmt, arch):
+    "`default_config` without a problem, made (and checked) once: configs are frozen."
+    return find_kernel(None, fmt, arch).config()
 
 # %% ../nbs/05a_gemm.ipynb #fdfc89b8
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.uint8: "uint8",
@@ -130,6 +154,7 @@ def problem_fields(p: Problem) -> dict:
 
 def bind(config, p: Problem):
     "`config` with its problem fields set from `p`; raises naming a field the caller set to something else."
+    if not isinstance(p, Problem): fail(TypeError, "problem", f"expected an operands.Problem, got {type(p).__name__}")
     want, default = problem_fields(p), {f.name: f.default for f in fields(config)}
     for name, v in want.items():
         have = getattr(config, name)
@@ -157,12 +182,15 @@ def tile_choice(config, problem, num_sms=None):
     whose budget keeps `MIN_STAGES` main stages and whose grid fills `MIN_WAVE_FILL` of the SMs, the one of fewest
     waves, then the lowest, then the first; where none fills the SMs, among those keeping the most stages up to
     `MIN_STAGES`, the one with the most tiles."""
+    if not isinstance(problem, Problem):
+        fail(TypeError, "problem", f"expected an operands.Problem, got {type(problem).__name__}")
     sms, best, fits = num_sms or DEFAULT_NUM_SMS, None, []
     for tm, epi_tm, epi, vectors, deferred in TILE_CHOICES.get(type(config), ()):
-        c = replace(config, tile_m=tm, epi_tile_m=epi_tm, epi_stages=epi, epi_vectors=vectors, epi_deferred=deferred)
         try:
+            c = replace(config, tile_m=tm, epi_tile_m=epi_tm, epi_stages=epi, epi_vectors=vectors,
+                        epi_deferred=deferred)
             stages = smem.solve(bind(c, problem), k=problem.K).stages["main"]
-        except ValueError:                       # not even one stage fits
+        except ValueError:                       # a tile this config cannot take, or not even one stage fits
             continue
         tiles = -(-problem.M // tm) * (problem.N // c.tile_n)
         if stages >= MIN_STAGES and tiles >= MIN_WAVE_FILL * sms:
@@ -177,6 +205,7 @@ def tile_choice(config, problem, num_sms=None):
 def check(config, p: Problem) -> Problem:
     "Raise, naming the argument, unless the kernel of `config` can compute problem `p`."
     smem.check_config(config)
+    if not isinstance(p, Problem): fail(TypeError, "problem", f"expected an operands.Problem, got {type(p).__name__}")
     return operands.check_problem(spec_for(config).kernel_class().requirements(config), p, cluster_size(config))
 
 def build(config, p: Problem, num_sms: int = DEFAULT_NUM_SMS):
@@ -278,7 +307,10 @@ def compile_kernel(config=None, problem: Optional[Problem] = None, arch: Optiona
     "Compile the kernel of `config` (default: the default kernel's) for `problem` on fake tensors, with no GPU; return a `CompileReport`."
     config = config if config is not None else default_config()
     spec = spec_for(config)
+    if arch is not None and arch != spec.arch:
+        fail(ValueError, "arch", f"{arch!r}: {spec.name} compiles for {spec.arch} only")
     p = problem or example_problem(spec)
+    check(config, p)                             # before the compiler runs: a bad problem is one line, not its stack
     if (arch or spec.arch).startswith("sm_100") and os.environ.get("CUTE_DSL_ARCH") != "sm_90a":
         return _compile_in_subprocess(config, p, arch)
     kernel, budget = build(config, p)
@@ -416,7 +448,7 @@ def _launch(act, wgt, lora_act, lora_up, wcscales, bias, out_dtype, config, out)
     problem, out)`, `out` made when None."""
     chosen = config is None
     if chosen:
-        config = default_config(wgt.fmt if isinstance(wgt, QTensor) else "int4")
+        config = default_config(wgt.fmt if isinstance(wgt, QTensor) else None)
     cls = spec_for(config).kernel_class()
     smem.check_config(config)
     p = operands.check_gemm_operands(act, wgt, lora_act, lora_up, wcscales, bias, out_dtype=out_dtype,
@@ -471,13 +503,33 @@ def gemm_w4a4(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *
     return out
 
 # %% ../nbs/05a_gemm.ipynb #1f581bc7
+def kernel_table(width: int = 110) -> str:
+    """The registry as `compile --help` lists it: one line per kernel, named by arch, format, kernel and mainloop
+    (`*`: what `find_kernel` picks for its arch and format), with what it is, wrapped to `width`."""
+    import textwrap
+    head = f"  {'--arch':9}{'--fmt':9}{'KERNEL':8}{'--mainloop':14}"
+    out = [head + "what it is"]
+    for s in REGISTRY.values():
+        star = "*" if find_kernel(None, s.fmt, s.arch) is s else ""
+        lead = f"  {s.arch:9}{s.fmt:9}{s.kernel + star:8}{s.mainloop:14}"
+        out += textwrap.wrap(s.about, width, initial_indent=lead, subsequent_indent=" " * len(lead))
+    return "\n".join(out)
+
 def compile_arguments(p):
     "Options of `w4a4-book compile`."
-    kernels = sorted({s.kernel for s in REGISTRY.values()})
-    p.add_argument("kernel", choices=kernels, help="which kernel (" + "; ".join(f"{s.kernel}: {s.about}" for s in REGISTRY.values()) + ")")
-    p.add_argument("--fmt", default="int4", choices=sorted({s.fmt for s in REGISTRY.values()}), help="the weights' 4-bit format (default: int4)")
-    p.add_argument("--mainloop", default=None, help="the kernel's mainloop, where a format has several (default: the kernel's default)")
-    p.add_argument("--arch", default="sm_90a", choices=sorted({s.arch for s in REGISTRY.values()}), help="target architecture (default: sm_90a)")
+    import argparse
+    regs = REGISTRY.values()
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = ("KERNEL, --fmt, --arch and --mainloop name one row of the registry; * marks what KERNEL defaults to "
+                "for its --arch and --fmt.\n" + kernel_table())
+    p.add_argument("kernel", nargs="?", default=None, metavar="KERNEL", choices=sorted({s.kernel for s in regs}),
+                   help="the kernel's registry name (below; default: the format's default, marked *)")
+    p.add_argument("--fmt", default=None, choices=sorted({s.fmt for s in regs}),
+                   help=f"the weights' 4-bit format (default: {DEFAULT_FMT} on sm_90a, nvfp4 on sm_100a)")
+    p.add_argument("--mainloop", default=None, choices=sorted({s.mainloop for s in regs}),
+                   help="the kernel's mainloop, where a format has several (default: the kernel's default)")
+    p.add_argument("--arch", default="sm_90a", choices=sorted({s.arch for s in regs}),
+                   help="target architecture (default: sm_90a)")
     p.add_argument("--shape", nargs=4, type=int, default=[4352, 3072, 3840, 32], metavar=("M", "N", "K", "R"),
                    help="problem shape and LoRA rank (default: 4352 3072 3840 32)")
     p.add_argument("--cluster-n", type=int, default=1, help="CTAs per cluster along N: 1, or 2 for a CTA pair (default: 1)")
@@ -487,7 +539,8 @@ def compile_arguments(p):
     p.add_argument("--lora-accounting", default="per_cta", choices=list(smem.LORA_ACCOUNTING),
                    help="how the LoRA blocks are charged: per_cta (the fix) or pair (the historical bug)")
     p.add_argument("--explain", action="store_true", help="also print the shared-memory budget table")
-    p.add_argument("--ptx", default=None, metavar="FILE", help="write the generated PTX to FILE")
+    p.add_argument("--ptx", default=None, metavar="FILE",
+                   help="write the generated PTX to FILE (its folder must exist)")
 
 def _shape_fields(spec, args) -> dict:
     "The config fields `--cluster-n` and `--cta-group` set, for the kernels that have them; raises naming the option otherwise."
@@ -499,19 +552,17 @@ def _shape_fields(spec, args) -> dict:
     return dict(cluster_n=args.cluster_n)
 
 def compile_command(args) -> int:
-    "Compile on fake tensors and print the report (and the budget with `--explain`); a bad argument is one line on stderr and exit code 2."
-    import sys
-    try:
-        spec = find_kernel(args.kernel, args.fmt, args.arch, args.mainloop)
-        config = spec.config(stages=args.stages, lora_accounting=args.lora_accounting, **_shape_fields(spec, args))
-        rep = compile_kernel(config, example_problem(spec, *args.shape))
-    except (ValueError, TypeError) as e:
-        print(f"w4a4-book compile: error: {e}", file=sys.stderr)
-        return 2
+    """Compile on fake tensors and print the report (and the budget with `--explain`). Every argument, `--ptx`'s folder
+    included, is checked before the compiler runs; a bad one raises, naming it (one line on stderr, exit code 2)."""
+    from w4a4_book.records import check_output_path
+    if args.ptx: check_output_path(args.ptx, "--ptx")
+    spec = find_kernel(args.kernel, args.fmt, args.arch, args.mainloop)
+    config = spec.config(stages=args.stages, lora_accounting=args.lora_accounting, **_shape_fields(spec, args))
+    rep = compile_kernel(config, example_problem(spec, *args.shape))
     print(rep)
     if args.explain: print(rep.budget)
     if args.ptx:
-        open(args.ptx, "w").write(rep.ptx)
+        with open(args.ptx, "w") as f: f.write(rep.ptx)
         print(f"wrote {args.ptx}")
     return 0
 

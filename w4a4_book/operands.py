@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .formats import INT_MAX_ABS, QFORMATS, QTensor, check_fmt
+from .formats import INT_MAX_ABS, K_MULTIPLE, QFORMATS, QTensor, check_fmt
 
 # %% auto #0
 __all__ = ['LOW_PRECISION', 'OPERAND_PAIRS', 'INT32_SUM_LIMIT', 'LORA_RANK_MULTIPLE', 'EPILOGUE_DTYPES', 'fail', 'int32_k_limit',
@@ -132,6 +132,23 @@ class Problem:
         for name in ("wcscales_dtype", "bias_dtype"):
             if getattr(self, name) is None: object.__setattr__(self, name, self.out_dtype)
         if self.act_fmt is None: object.__setattr__(self, "act_fmt", self.fmt)
+        for name in ("scale_dtype", "lora_dtype", "out_dtype", "wcscales_dtype", "bias_dtype"):
+            v = getattr(self, name)
+            if not isinstance(v, torch.dtype): fail(TypeError, name, f"must be a torch.dtype, got {v!r}")
+        for name in ("has_scale", "has_bias"):
+            v = getattr(self, name)
+            if not isinstance(v, bool): fail(TypeError, name, f"must be a bool, got {v!r}")
+        wgts, acts = dict.fromkeys(w for _, w in OPERAND_PAIRS), dict.fromkeys(a for a, _ in OPERAND_PAIRS)
+        if self.fmt not in wgts: fail(ValueError, "fmt", f"{self.fmt!r} is not a weight format; one of {tuple(wgts)}")
+        if self.act_fmt not in acts:
+            fail(ValueError, "act_fmt", f"{self.act_fmt!r} is not an activation format; one of {tuple(acts)}")
+        if (self.act_fmt, self.fmt) not in OPERAND_PAIRS:
+            fail(ValueError, "act_fmt", f"{self.act_fmt!r} does not pair with fmt={self.fmt!r}; allowed (act, wgt): "
+                                        f"{OPERAND_PAIRS}")
+        for f in dict.fromkeys((self.fmt, self.act_fmt)):
+            if self.K % K_MULTIPLE[f]:
+                fail(ValueError, "K", f"K={self.K} must be a multiple of the {f} group size {K_MULTIPLE[f]}")
+        check_int32_sum(self.K, self.act_fmt, self.fmt)
 
     def signature(self, static_m: bool = True) -> "Problem":
         "The part of the problem a compiled kernel depends on: all of it, or all but M when M is a runtime value."
@@ -167,6 +184,7 @@ def check_problem(req: Requirements, p: Problem, cluster_n: int = 1, names: Opti
     """Raise, naming the argument, unless kernel `req` can compute problem `p`; `names` renames the shape arguments
     in messages (the layer calls K `in_features`). Returns `p`."""
     nm = {"act": "act", "wgt": "wgt", "lora_act": "lora_act", "K": "act", "N": "wgt", **(names or {})}
+    if not isinstance(p, Problem): fail(TypeError, "problem", f"expected a Problem, got {type(p).__name__}")
     check_formats(req, p.act_fmt, p.fmt, nm["act"], nm["wgt"])
     if cluster_n not in req.cluster_sizes:
         fail(ValueError, "cluster_n", f"must be one of {req.cluster_sizes}, got {cluster_n}")

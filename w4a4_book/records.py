@@ -18,9 +18,9 @@ from importlib import metadata
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['REQUIRED_PROVENANCE', 'RECORD_SUFFIXES', 'COMMIT_ENV', 'CITATIONS', 'validate', 'provenance', 'save_record',
-           'load_record', 'data_dir', 'list_records', 'load_rows', 'remeasure', 'commit_reachable', 'unverifiable',
-           'source_title', 'citations', 'markdown_table']
+__all__ = ['REQUIRED_PROVENANCE', 'RECORD_SUFFIXES', 'COMMIT_ENV', 'PACKAGED_RECORDS', 'FMT_DEFAULT_WAS', 'CITATIONS', 'validate',
+           'provenance', 'check_output_path', 'save_record', 'load_record', 'data_dir', 'list_records', 'load_rows',
+           'remeasure', 'commit_reachable', 'unverifiable', 'source_title', 'citations', 'markdown_table']
 
 # %% ../nbs/14_records.ipynb #4a18b05e
 REQUIRED_PROVENANCE = ("gpu", "driver", "torch", "cutlass_dsl", "commit", "date", "shapes", "command")
@@ -126,12 +126,35 @@ def _cell(s: str):
     return s
 
 # %% ../nbs/14_records.ipynb #eadfb33c
+def check_output_path(path, arg: str = "path") -> Path:
+    """Raise `ValueError` naming `arg` unless a file can be written at `path`: not a folder, in an existing folder in
+    which this process can create a file (tried, then removed). Commands call it before they measure or compile."""
+    import tempfile
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise TypeError(f"{arg}: must be a non-empty path, got {path!r}")
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{arg}: {path} is a folder, not a file")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ValueError(f"{arg}: the folder {folder} does not exist" + (" (it is a file)" if folder.exists() else ""))
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".w4a4-book-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{arg}: cannot write in {folder} ({e.strerror or e})") from None
+    return path
+
 def save_record(path, provenance: dict, rows: list) -> Path:
-    "Validate `provenance` and `rows`, then write them to `path` (`.json` or `.csv`)."
+    "Validate `provenance` and `rows`, then write them to `path` (`.json` or `.csv`; missing folders are made)."
     path = _check_path(path)
     validate(provenance)
     rows = _check_rows(rows, csv_cells=path.suffix == ".csv")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"path: cannot make the folder {path.parent} ({e.strerror or e})") from None
+    check_output_path(path)
     if path.suffix == ".json":
         path.write_text(json.dumps({"provenance": provenance, "rows": rows}, indent=1) + "\n", encoding="utf-8")
     else:
@@ -147,6 +170,8 @@ def save_record(path, provenance: dict, rows: list) -> Path:
 def load_record(path) -> tuple[dict, list]:
     "Read the record at `path` and return `(provenance, rows)`, rejecting one without valid provenance."
     path = _check_path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"path: no record at {path}")
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
         data = json.loads(text)
@@ -166,9 +191,14 @@ def load_record(path) -> tuple[dict, list]:
     return prov, _check_rows(rows, csv_cells=False)
 
 # %% ../nbs/14_records.ipynb #7380e972
+PACKAGED_RECORDS = "nbs"   # a non-editable install carries `nbs/data/` and `nbs/citations.json` here, in the package
+
 def data_dir() -> Path:
-    "The folder that holds measured records: `nbs/data/` of this checkout."
-    return _repo_root() / "nbs" / "data"
+    "The folder that holds measured records: `nbs/data/` of this checkout, or, installed without one, the package's."
+    checkout = _repo_root()
+    if (checkout / "settings.ini").is_file() and (checkout / "nbs" / "data").is_dir():
+        return checkout / "nbs" / "data"
+    return Path(__file__).resolve().parent / PACKAGED_RECORDS / "data"
 
 def list_records(kind: str | None = None) -> list[Path]:
     "The record files in `data_dir()`, sorted by name; only those whose name starts with `kind` when given."
@@ -188,12 +218,20 @@ def load_rows(kind: str) -> list[dict]:
     return out
 
 # %% ../nbs/14_records.ipynb #5f705051
+FMT_DEFAULT_WAS = {"sweep-stages": "int4", "bench": "int4", "compile": "int4"}   # `--fmt` when these records were made
+
 def remeasure(provenance: dict, name: str | None = None) -> str:
-    "The record's re-measure command, with an absolute `--out` path replaced by `nbs/data/` and the file name (`name`, or the path's)."
+    """The record's re-measure command, with an absolute `--out` path replaced by `nbs/data/` and the file name (`name`,
+    or the path's), and, where a `w4a4-book` command of `FMT_DEFAULT_WAS` names no `--fmt`, the format it ran with."""
+    if not isinstance(provenance, dict) or not isinstance(provenance.get("command"), str):
+        raise TypeError(f"provenance: must be a record's provenance, a dict with its 'command', got {provenance!r:.60}")
     parts = provenance["command"].split()
     for i, arg in enumerate(parts[:-1]):
         if arg == "--out" and Path(parts[i + 1]).is_absolute():
             parts[i + 1] = f"nbs/data/{name or Path(parts[i + 1]).name}"
+    i = parts.index("w4a4-book") if "w4a4-book" in parts else -1
+    if 0 <= i < len(parts) - 1 and parts[i + 1] in FMT_DEFAULT_WAS and "--fmt" not in parts:
+        parts[i + 2:i + 2] = ["--fmt", FMT_DEFAULT_WAS[parts[i + 1]]]
     return " ".join(parts)
 
 def commit_reachable(commit: str) -> bool | None:

@@ -7,11 +7,11 @@ __all__ = ['BUG', 'FIX', 'ORIGINAL', 'ORIGINAL_SHAPE', 'ORIGINAL_RANK', 'ORIGINA
            'LORA_BUG_RANKS', 'LORA_BUG_PROBLEMS', 'LORA_BUG_CONFIG', 'LORA_BUG_CONFIGS', 'PHANTOM', 'MOVE_DEEP',
            'MOVE_SHALLOW', 'MOVE_FAMILIES', 'MOVE_CHUNKS', 'MOVE_LORA_STAGES', 'LORA_MOVE_CONFIG', 'LORA_MOVES',
            'LORA_MOVE_PROBLEMS', 'MOVES_SUFFIX', 'LADDER_PROBLEMS', 'LADDER', 'LADDER_RECORDS', 'LORA_BUG_FORMATS',
-           'original_history', 'published_budget', 'model_budget', 'prediction_table', 'verdict', 'config_label',
-           'row_config', 'accounting_rows', 'find_moves', 'recorded_depth', 'measure_lora_bug', 'measure_lora_grid',
-           'measure_moves', 'lora_bug_summary', 'worst_case', 'lora_bug_table', 'plot_lora_bug', 'move_curves',
-           'move_table', 'plot_moves', 'measure_ladder', 'ladder_table', 'ladder_mfu', 'plot_ladder', 'readme_ladder',
-           'recorded_report', 'moves_report', 'add_arguments', 'run_ladder', 'long_report', 'run']
+           'original_history', 'published_budget', 'model_budget', 'prediction_table', 'verdict', 'summary',
+           'config_label', 'row_config', 'accounting_rows', 'find_moves', 'recorded_depth', 'measure_lora_bug',
+           'measure_lora_grid', 'measure_moves', 'lora_bug_summary', 'worst_case', 'lora_bug_table', 'plot_lora_bug',
+           'move_curves', 'move_table', 'plot_moves', 'measure_ladder', 'ladder_table', 'ladder_mfu', 'plot_ladder',
+           'readme_ladder', 'recorded_report', 'moves_report', 'add_arguments', 'run_ladder', 'long_report', 'run']
 
 # %% ../nbs/06_lora_bug.ipynb #aa812ec0
 import argparse
@@ -33,6 +33,16 @@ ORIGINAL_STEPS = (   # the original's LoRA charge, in order: (step, commit, smem
     ("first fix: LA per CTA", "c1d209c", "pair_lu", 2),
     ("second fix: LU per CTA", "7296e90", "per_cta", 2))
 
+def _check_ranks(ranks, name: str = "ranks") -> None:
+    "Raise `ValueError` naming `name` unless `ranks` is a non-empty list of positive multiples of 16."
+    ints = isinstance(ranks, (tuple, list)) and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)
+    if not ints or not ranks:
+        raise ValueError(f"{name}: must be a non-empty list of ints, got {ranks!r}")
+    bad = [r for r in ranks if r <= 0 or r % 16]
+    if bad and name == "ranks":
+        raise ValueError(f"ranks: {bad} are not positive multiples of 16 (a 16-bit MMA is 16 deep)")
+    if bad: raise ValueError(f"{name}: {bad[0]} is not a positive multiple of 16 (a 16-bit MMA is 16 deep)")
+
 def _main_stages(config, **solve):
     "Main stages the solver gives `config`, or 0 where not one fits (the row keeps the solver's reason)."
     try:
@@ -48,6 +58,7 @@ def _lora_charges(cfg) -> dict:
 def original_history(R: int = ORIGINAL_RANK) -> list:
     """The original's budget after each step of `ORIGINAL_STEPS`, by the solver's model of its kernel at rank `R`: LA
     and LU as charged per CTA and LoRA stage, and the main and epilogue stages (0 where not one main stage fits)."""
+    _check_ranks([R], "R")
     rows = []
     for step, commit, acct, L in ORIGINAL_STEPS:
         cfg = replace(ORIGINAL, lora_rank=R, lora_stages=L, lora_accounting=acct)
@@ -76,6 +87,7 @@ def published_budget() -> dict:
 
 def model_budget(R: int = ORIGINAL_RANK) -> dict:
     "`published_budget`'s quantities from the solver's model of the original (`ORIGINAL`, the second fix's accounting)."
+    _check_ranks([R], "R")
     cfg = replace(ORIGINAL, lora_rank=R)
     one = {t.name: t.bytes for t in smem.blackwell_orig_terms(cfg, dict(main=1, lora=1, epi=1), FIX)}
     terms = dict(capacity=smem.ARCHS[cfg.arch].smem_per_block, LA=one["lora_act"], LU=one["lora_up"],
@@ -116,6 +128,14 @@ def verdict() -> str:
         f"- This book's model of the original, given the first fix's formula, predicts the second fix's "
         f"{la['main_stages']} -> {lu['main_stages']}, and the author's whole re-solved budget (`prediction_table`)."])
 
+def summary() -> str:
+    "What the LoRA fix gained, in one line, every number from the citations file: `repro lora-bug`'s first line."
+    fixed, bug = _cited("lu_fix_clamp")
+    _, _, gain = _cited("fix_gain_blog")
+    before, after, _ = _cited("fix_ncu_same_card")
+    return (f"The LoRA fix: main stages {bug} -> {fixed}; {before / after:.2f}x on one B200 "
+            f"(the +{gain}% compares a B300 with a B200)")
+
 # %% ../nbs/06_lora_bug.ipynb #3946a5aa
 LORA_BUG_RANKS = (32, 64, 128, 256)   # every rank the kernels take; where a budget has no stage left the row says so
 LORA_BUG_PROBLEMS = tuple(workloads.bench_problems("m4352", ranks=LORA_BUG_RANKS))   # the benchmark layers at M=4352
@@ -144,8 +164,7 @@ def row_config(row):
 
 def accounting_rows(ranks=LORA_BUG_RANKS, cluster_n=LORA_BUG_CONFIG.cluster_n, configs=LORA_BUG_CONFIGS):
     "Main stages and bytes under the bug and the fix, for each Hopper pair kernel of `configs` with `cluster_n` CTAs at each rank."
-    if not isinstance(ranks, (tuple, list)) or not ranks or not all(isinstance(r, int) for r in ranks):
-        raise ValueError(f"ranks must be a non-empty list of ints, got {ranks!r}")
+    _check_ranks(ranks)
     rows = []
     for base in configs:
         for r in ranks:
@@ -175,9 +194,11 @@ def _candidates(ranks, lora_stages):
     for fam in MOVE_FAMILIES:
         chunks = MOVE_CHUNKS if "lora_chunk" in fam.__dataclass_fields__ else (None,)
         for tile_m, R, L, chunk in ((t, R, L, c) for t in range(64, 257, 16) for R in ranks for L in lora_stages for c in chunks):
-            cfg = fam(tile_m=tile_m, cluster_n=2, lora_rank=R, lora_stages=L, **({} if chunk is None else dict(lora_chunk=chunk)))
-            try: smem.check_config(cfg)
-            except ValueError: continue
+            try:                             # a config checks itself when made (`smem.check_config`)
+                cfg = fam(tile_m=tile_m, cluster_n=2, lora_rank=R, lora_stages=L,
+                          **({} if chunk is None else dict(lora_chunk=chunk)))
+            except ValueError:
+                continue
             key = (fam, tile_m, R, L, smem.lora_chunk_of(cfg) if chunk else R)
             if key not in seen:
                 seen.add(key)
@@ -187,6 +208,9 @@ def find_moves(k: int = 3840, ranks=LORA_BUG_RANKS, lora_stages=MOVE_LORA_STAGES
     """The Hopper pair configurations where the bug (`pair`) moves the main K-loop as it moved the original's: the fix
     keeps at least `MOVE_DEEP` stages, the bug leaves at most `MOVE_SHALLOW`, at K = `k`. One row per config, with
     whether the bug's build exists at all (its family's fewest stages fit)."""
+    _check_ranks(ranks)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k: must be a positive int, the K of the problem, got {k!r}")
     rows = []
     for cfg in _candidates(ranks, lora_stages):
         fix, _ = _main_stages(replace(cfg, lora_accounting=FIX), k=k)
@@ -555,13 +579,21 @@ def long_report(ranks=LORA_BUG_RANKS) -> str:
         "Recorded measurements; re-measure on an sm_90 GPU with the command named in each:",
         recorded_report()])
 
+def _check_args(args) -> None:
+    "Raise, naming the option, unless `--ranks`, `--iters` and `--out` are usable: before anything is measured."
+    bad = [r for r in args.ranks if r <= 0 or r % 16]
+    if bad: raise ValueError(f"--ranks: {bad} are not positive multiples of 16 (a 16-bit MMA is 16 deep)")
+    timing.check_timing(args.iters, 0)
+    if args.out: records.check_output_path(args.out, "--out")
+
 def run(args) -> int:
     "Measure on an sm_90 GPU and save JSON + PNG; elsewhere print the story, the Hopper move and, with `--all`, the long tables."
+    _check_args(args)
     if args.experiment == "ladder":
         return run_ladder(args)
     why_not = workloads.kernel_unavailable(LORA_MOVE_CONFIG if args.moves else LORA_BUG_CONFIG)
     if why_not is not None:
-        print("The LoRA accounting bug, from the original's own record:\n" + verdict() + "\n")
+        print(summary() + "\n\nThe LoRA accounting bug, from the original's own record:\n" + verdict() + "\n")
         print(moves_report())
         print("\n" + (long_report(tuple(args.ranks)) if args.all else
                       f"Nothing is measured here ({why_not}). `--all` adds the long tables: the original's budget as "

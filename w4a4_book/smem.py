@@ -93,6 +93,12 @@ LU_AT_PAIR = ("pair", "pair_lu")     # ... and those that charge a split up-proj
 GROUP_SIZE = {"int4": 64, "nvfp4": 16}  # K elements per scale; must equal formats.GROUP_SIZE (tested)
 
 # %% ../nbs/03_smem.ipynb #16cb5c19
+def _made(cfg) -> None:
+    """What a config of a family runs when it is made: `check_config`, defined below once every family is, so a bad
+    field is refused by name where it is written, not when the budget is solved."""
+    check = globals().get("check_config")
+    if check is not None and type(cfg) in FAMILIES: check(cfg)
+
 @dataclass(frozen=True)
 class HopperV1Config:
     "Hopper v1: int4 tiles decoded to int8 in shared memory for wgmma; fp32 accumulator in registers."
@@ -115,6 +121,8 @@ class HopperV1Config:
     family: ClassVar[str] = "hopper_v1"
     kernel: ClassVar[str] = "v1"        # the registry row this config describes (chapter 5a)
     mainloop: ClassVar[str] = "promote"
+
+    def __post_init__(self): _made(self)
 
     @property
     def label(self) -> str:
@@ -139,6 +147,8 @@ class BlackwellOrigConfig:
     arch: str = "sm_100"
     fmt: str = "nvfp4"
     family: ClassVar[str] = "blackwell_orig"
+
+    def __post_init__(self): _made(self)
 
     @property
     def label(self) -> str:
@@ -228,6 +238,8 @@ class HopperPgConfig:
     family: ClassVar[str] = "hopper_pg"
     kernel: ClassVar[str] = "v2"
     mainloop: ClassVar[str] = "rs"
+
+    def __post_init__(self): _made(self)
 
     @property
     def label(self) -> str:

@@ -5,11 +5,10 @@
 # %% auto #0
 __all__ = ['SWEEP_PROBLEMS', 'SWEEP_CONFIGS', 'max_stages', 'min_stages', 'solver_marks', 'sweep_stages', 'curve_key', 'curves',
            'curve_config', 'curve_label', 'sweep_marks', 'sweep_summary', 'sweep_table', 'plot_sweep',
-           'recorded_report', 'add_arguments', 'run']
+           'recorded_report', 'add_arguments', 'command', 'run']
 
 # %% ../nbs/07_pipeline_depth.ipynb #10e2766a
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
 import w4a4_book.smem as smem
@@ -28,6 +27,8 @@ def max_stages(config, problem: Problem) -> int:
 
 def min_stages(config) -> int:
     "The fewest main stages the kernel of `config` runs with: where a sweep starts (two for the int4_pg mainloop, else one)."
+    if type(config) not in smem.FAMILIES:
+        raise TypeError(f"config: expected a smem family's config, got {type(config).__name__}")
     return smem.FAMILIES[type(config)].min_stages
 
 def solver_marks(config, problem: Problem) -> dict:
@@ -66,6 +67,11 @@ def curve_key(row):
 
 def curves(rows):
     "Each curve of `rows` as `{key: {stages: row}}`, keys in first-seen order."
+    if not isinstance(rows, (list, tuple)) or not rows or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"rows: must be a non-empty list of sweep rows (dicts), got {rows!r:.60}")
+    need = ("version", "M", "N", "K", "R", "cluster_n", "stages")
+    bad = next((i for i, r in enumerate(rows) if any(k not in r for k in need)), None)
+    if bad is not None: raise ValueError(f"rows: rows[{bad}] lacks {', '.join(k for k in need if k not in rows[bad])}")
     out = {}
     for r in rows:
         c = out.setdefault(curve_key(r), {})
@@ -159,21 +165,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     "Options of `w4a4-book sweep-stages`."
     kernels = sorted({s.kernel for s in gemm.REGISTRY.values()})
     p.add_argument("--versions", nargs="+", default=None, choices=kernels, help="kernels to sweep, by registry name (default: every one computing --fmt)")
-    p.add_argument("--fmt", default="int4", choices=sorted({s.fmt for s in gemm.REGISTRY.values()}),
-                   help="the weights' format; int4_pg sweeps the exact-integer mainloop (default: int4)")
+    p.add_argument("--fmt", default=gemm.DEFAULT_FMT,
+                   choices=sorted({s.fmt for s in gemm.REGISTRY.values() if s.arch == "sm_90a"}),
+                   help=f"the weights' format: int4_pg (exact-integer mainloop) or int4 (default: {gemm.DEFAULT_FMT})")
     p.add_argument("--cluster-n", type=int, default=1, help="CTAs per cluster (default 1; 2: a pair along N)")
     p.add_argument("--iters", type=int, default=20, help="timed runs per point, median reported (default: 20)")
-    p.add_argument("--out", default=None, help="JSON record to write (default: nbs/data/sweep_stages_<gpu>_c<n>.json)")
+    p.add_argument("--out", default=None,
+                   help="JSON record to write (default: nbs/data/sweep_stages_<gpu>[_<fmt>]_c<n>.json)")
+
+def command(args, versions) -> str:
+    "The command a record of `args` stores: every option spelled out, `--fmt` included, so it re-runs as written."
+    return (f"w4a4-book sweep-stages --versions {' '.join(versions)} --fmt {args.fmt} --cluster-n {args.cluster_n} "
+            f"--iters {args.iters}")
 
 def run(args) -> int:
-    "Sweep on an sm_90 GPU and save JSON + PNG; elsewhere print the recorded sweeps. A bad option is one line on stderr, exit code 2."
-    try:
-        versions = args.versions or sorted({s.kernel for s in gemm.REGISTRY.values() if s.fmt == args.fmt and s.arch == "sm_90a"})
-        configs = [gemm.find_kernel(v, args.fmt).config(cluster_n=args.cluster_n) for v in versions]
-        for c in configs: smem.check_config(c)
-    except (ValueError, TypeError) as e:
-        print(f"w4a4-book sweep-stages: error: {e}", file=sys.stderr)
-        return 2
+    """Sweep on an sm_90 GPU and save JSON + PNG; elsewhere print the recorded sweeps. A bad option raises, naming it,
+    before any work."""
+    regs = gemm.REGISTRY.values()
+    versions = args.versions or sorted({s.kernel for s in regs if s.fmt == args.fmt and s.arch == "sm_90a"})
+    configs = [gemm.find_kernel(v, args.fmt).config(cluster_n=args.cluster_n) for v in versions]   # each checks itself
+    timing.check_timing(args.iters, 0)
+    if args.out: records.check_output_path(args.out, "--out")
     why_not = next((w for w in map(workloads.kernel_unavailable, configs) if w), None)
     if why_not is not None:
         print(f"Nothing is measured here ({why_not}). Recorded sweeps follow; "
@@ -181,13 +193,12 @@ def run(args) -> int:
         print(recorded_report())
         return 0
     import torch
-    rows = sweep_stages(configs, iters=args.iters)
     gpu = torch.cuda.get_device_name()
-    fmt = "" if args.fmt == "int4" else f"_{args.fmt}"
+    fmt = "" if args.fmt == "int4" else f"_{args.fmt}"     # the int4 records' names, kept
     path = Path(args.out or records.data_dir() / f"sweep_stages_{gpu.split()[-1].lower()}{fmt}_c{args.cluster_n}.json")
-    command = (f"w4a4-book sweep-stages --versions {' '.join(versions)}" + (f" --fmt {args.fmt}" if fmt else "")
-               + f" --cluster-n {args.cluster_n} --iters {args.iters}")
-    records.save_record(path, records.provenance(command, [list(p) for p in SWEEP_PROBLEMS]), rows)
+    records.check_output_path(path, "--out")
+    rows = sweep_stages(configs, iters=args.iters)
+    records.save_record(path, records.provenance(command(args, versions), [list(p) for p in SWEEP_PROBLEMS]), rows)
     plot_sweep(rows, sweep_marks(rows), path.with_suffix(".png"), title=f"{gpu}: main stages against MFU")
     print(sweep_table(rows))
     print(f"saved {path} and {path.with_suffix('.png')}")

@@ -13,14 +13,16 @@ from torch import nn
 
 from ..block import block_inputs, flux_like_block
 from ..layers import quantize_model
-from ..records import data_dir, list_records, load_record, markdown_table, provenance, save_record
+from ..records import (check_output_path, data_dir, list_records, load_record, markdown_table, provenance,
+                               save_record)
+from .report import current_first
 from .layer import compile_now, compile_unavailable, fp8_rowwise_act, host_time, speedup
 from .timing import check_timing, gpu_key, rel_err, require_cuda, time_cuda
 from .workloads import FP8_MAX, kernel_unavailable
 
 # %% auto #0
-__all__ = ['BLOCK_PATHS', 'BLOCK_RANK', 'BLOCK_SHAPE', 'BLOCK_MODES', 'BLOCK_BASES', 'Fp8RowwiseLinear', 'to_fp8',
-           'check_block_shape', 'block_models', 'unavailable_modes', 'run_block_bench', 'fastest_block_paths',
+__all__ = ['BLOCK_PATHS', 'BLOCK_RANK', 'BLOCK_SHAPE', 'BLOCK_MODES', 'BLOCK_BASES', 'CURRENT_RECORD', 'Fp8RowwiseLinear',
+           'to_fp8', 'check_block_shape', 'block_models', 'unavailable_modes', 'run_block_bench', 'fastest_block_paths',
            'block_table', 'add_arguments', 'recorded_runs', 'run']
 
 # %% ../../nbs/09d_bench_block.ipynb #9c3b174d
@@ -201,43 +203,55 @@ def add_arguments(p) -> None:
     p.add_argument("--modes", nargs="+", choices=BLOCK_MODES, default=list(BLOCK_MODES),
                    help="eager, compiled (torch.compile, fullgraph) and/or graph (CUDA-graph replays); default all three")
     p.add_argument("--out", default=None, help="record path (default: nbs/data/block_<gpu>.json)")
+    p.add_argument("--all", action="store_true",
+                   help="without a GPU: after the current record (the block chapter's), every other one of this block")
+
+CURRENT_RECORD = "block_h200.json"   # the block record the block chapter reads: printed first, labelled current
 
 def _shape(args) -> tuple:
     "`(tokens, hidden, mlp, heads)` of the parsed `args`."
     return args.tokens, args.hidden, args.mlp, args.heads
 
-def recorded_runs(args) -> list:
-    "The `(provenance, rows)` of the block records of the shape `args` asks for, rows cut to its `--modes`."
+def _runs(args) -> list:
+    "`(name, provenance, rows)` of each block record of the shape `args` asks for, rows cut to its `--modes`."
     out = []
     for path in list_records("block"):
         prov, rows = load_record(path)
         rows = [r for r in rows if r.get("mode") in args.modes]
         if prov.get("kind") == "block" and tuple(prov.get(k) for k in BLOCK_SHAPE) == _shape(args) and rows:
-            out.append((prov, rows))
+            out.append((path.name, prov, rows))
     return out
 
+def recorded_runs(args) -> list:
+    "The `(provenance, rows)` of the block records of the shape `args` asks for, rows cut to its `--modes`."
+    return [(prov, rows) for _, prov, rows in _runs(args)]
+
 def _print_recorded(args, why_not: str) -> int:
-    "`bench-block` where nothing can be measured: the recorded runs of the block `args` asks for, or that there are none."
-    runs = recorded_runs(args)
+    """`bench-block` where nothing can be measured: the current record of the block `args` asks for (`CURRENT_RECORD`)
+    and, with `--all`, the others; or that there are none."""
+    runs = _runs(args)
     what = "block runs at {} tokens, hidden {}, MLP {}, {} heads".format(*_shape(args))
     print(f"Nothing is measured here ({why_not}). " + (f"Recorded {what} follow." if runs else f"No recorded {what}."))
-    for prov, rows in runs:
-        print(f"recorded on the {prov['gpu']} ({prov['date'][:10]}, commit {prov['commit'][:10]}); re-measure: {prov['command']}"
-              + "".join(f"; skipped {m}: {why}" for m, why in prov.get("skipped", {}).items()))
-        print(block_table(rows))
+    if runs:
+        current = [r for r in runs if r[0] == CURRENT_RECORD]
+        others = [r for r in runs if r[0] != CURRENT_RECORD]
+        print("\n".join(current_first(current, others, what, block_table, show_all=getattr(args, "all", False),
+                                      label="current, the block chapter's")))
     return 0
 
 def run(args) -> int:
     "Measure on a GPU the W4A4 kernels run on and save a record; elsewhere print the records of the same block."
     check_timing(args.iters, 0)
     check_block_shape(*_shape(args))
+    if args.out: check_output_path(args.out, "--out")
     why_not = kernel_unavailable()
     if why_not is not None:
         return _print_recorded(args, why_not)
     modes = [m for m in BLOCK_MODES if m in args.modes]
+    path = args.out or data_dir() / f"block_{gpu_key(torch.cuda.get_device_name()).lower().replace(' ', '-')}.json"
+    check_output_path(path, "--out")
     rows = run_block_bench(*_shape(args), iters=args.iters, modes=modes)
     print(block_table(rows))
-    path = args.out or data_dir() / f"block_{gpu_key(torch.cuda.get_device_name()).lower().replace(' ', '-')}.json"
     cmd = ("w4a4-book bench-block --tokens {} --hidden {} --mlp {} --heads {}".format(*_shape(args))
            + f" --iters {args.iters} --modes {' '.join(modes)}")
     skipped = {m: why for m, why in unavailable_modes().items() if m in modes}

@@ -16,7 +16,9 @@ from torch import nn
 
 from .. import gemm
 from ..layers import W4A4Linear
-from ..records import data_dir, list_records, load_record, markdown_table, provenance, save_record
+from ..records import (check_output_path, data_dir, list_records, load_record, markdown_table, provenance,
+                               save_record)
+from .report import ACTIVATION_README_RECORD, LAYER_README_RECORDS, current_first
 from .timing import check_timing, gpu_key, mfu, rel_err, summarize_times, tflops, time_cuda
 from .workloads import FP8_MAX, bench_problems, kernel_unavailable
 
@@ -25,7 +27,7 @@ __all__ = ['LAYER_PATHS', 'EAGER_ONLY', 'LAYER_SETS', 'SPEEDUP_PATHS', 'SPEEDUP_
            'STREAM_CALLS', 'fp8_rowwise_act', 'compile_unavailable', 'unavailable_paths', 'compiled_fp8_rowwise_act',
            'compile_now', 'layer_paths', 'host_time', 'run_layer_bench', 'fastest_paths', 'speedup', 'layer_table',
            'activation_bytes', 'copy_bandwidth', 'stream_ms', 'run_activation_bench', 'activation_table',
-           'layer_shapes', 'add_arguments', 'recorded_runs', 'run']
+           'layer_shapes', 'add_arguments', 'recorded_runs', 'current_records', 'print_recorded', 'run']
 
 # %% ../../nbs/09c_bench_layer.ipynb #7cb7f5b6
 LAYER_PATHS = ("torch_bf16", "torch_fp8", "torch_fp8_compiled", "w4a4", "w4a4_torch_quant", "w4a4_pg", "w4a4_pg_w4a8")
@@ -294,9 +296,12 @@ def add_arguments(p) -> None:
     p.add_argument("--grid", action="store_true",
                    help="with --activation: every (CTAs per SM, ring stages) of ACTIVATION_GRID, the measurement the defaults come from")
     p.add_argument("--out", default=None, help="record path (default: nbs/data/layer_<gpu>.json, layer_<gpu>_graph.json, activation_<gpu>.json or activation_grid_<gpu>.json)")
+    p.add_argument("--all", action="store_true",
+                   help="without a GPU: after the current records (the README's), every other one of the same kind")
 
-def recorded_runs(args) -> list:
-    "The `(provenance, rows)` of the records that measured what `args` asks for (kind, rank, timing, grid sweep or defaults), rows cut to its shapes."
+def _runs(args, any_timing: bool = False) -> list:
+    """`(name, provenance, rows)` of each record that measured what `args` asks for (kind, rank, grid sweep or
+    defaults, and the timing unless `any_timing`), rows cut to its shapes."""
     kind = "activation" if args.activation else "layer"
     timing = "cuda_graph" if args.activation or args.graph else "eager"
     wanted = {(M, K) for M, K, _ in layer_shapes(args.shapes)}
@@ -305,36 +310,58 @@ def recorded_runs(args) -> list:
         prov, rows = load_record(path)
         rows = [r for r in rows if (r["M"], r["K"]) in wanted]
         grid = "--grid" in prov["command"].split()             # a sweep of the launch grid, not the defaults
-        if prov.get("kind") == kind and prov.get("rank") == args.rank and prov.get("timing") == timing and rows \
-                and grid == bool(getattr(args, "grid", False)):
-            out.append((prov, rows))
+        if prov.get("kind") == kind and prov.get("rank") == args.rank and (any_timing or prov.get("timing") == timing) \
+                and rows and grid == bool(getattr(args, "grid", False)):
+            out.append((path.name, prov, rows))
     return out
+
+def recorded_runs(args) -> list:
+    "The `(provenance, rows)` of the records that measured what `args` asks for (kind, rank, timing, grid sweep or defaults), rows cut to its shapes."
+    return [(prov, rows) for _, prov, rows in _runs(args)]
+
+def current_records(args) -> tuple:
+    """The records `bench-layer` without a GPU prints first, whatever the timing asked for: those the README reads
+    (`LAYER_README_RECORDS`, `ACTIVATION_README_RECORD` of the report chapter); none for a grid sweep."""
+    if args.activation:
+        return () if args.grid else (ACTIVATION_README_RECORD,)
+    return LAYER_README_RECORDS
+
+def print_recorded(args, why_not: str) -> int:
+    "`bench-layer` where nothing can be measured: the current records of what `args` asks for, then (`--all`) others."
+    names = current_records(args)
+    current = sorted((r for r in _runs(args, any_timing=True) if r[0] in names), key=lambda r: names.index(r[0]))
+    others = [r for r in _runs(args) if r[0] not in names]
+    what = f"{'activation' if args.activation else 'layer'} runs at rank {args.rank}"
+    what += " (CUDA graphs)" if args.graph else ""
+    head = f"Nothing is measured here ({why_not})."
+    if not current and not others:
+        print(f"{head} No recorded {what}.")
+        return 0
+    print(f"{head} Recorded {what} follow.")
+    table = activation_table if args.activation else layer_table
+    print("\n".join(current_first(current, others, what, table, show_all=getattr(args, "all", False))))
+    return 0
 
 def run(args) -> int:
     "Measure on a GPU the default kernel runs on and save a record; elsewhere print the records of the same measurement."
     check_timing(args.iters, 0)
     if args.rank <= 0 or args.rank % 16:
-        raise ValueError(f"rank must be a positive multiple of 16, got {args.rank}")
+        raise ValueError(f"--rank: must be a positive multiple of 16, got {args.rank}")
     if args.grid and not args.activation:
         raise ValueError("--grid: sweeps the activation kernel's grid, so it needs --activation")
+    if args.out: check_output_path(args.out, "--out")
     why_not = kernel_unavailable()
     if why_not is not None:
-        runs = recorded_runs(args)
-        what = f"{'activation' if args.activation else 'layer'} runs at rank {args.rank}{' (CUDA graphs)' if args.graph else ''}"
-        print(f"Nothing is measured here ({why_not}). " + (f"Recorded {what} follow." if runs else f"No recorded {what}."))
-        for prov, rows in runs:
-            print(f"recorded on the {prov['gpu']} ({prov['date'][:10]}, commit {prov['commit'][:10]}); re-measure: {prov['command']}"
-                  + "".join(f"; skipped {p}: {why}" for p, why in prov.get("skipped", {}).items()))
-            print(activation_table(rows) if args.activation else layer_table(rows))
-        return 0
+        return print_recorded(args, why_not)
     shapes = layer_shapes(args.shapes)
     if args.activation:
         return _run_activation(args, sorted({(M, K) for M, K, _ in shapes}))
     graph = args.graph
-    rows = run_layer_bench(shapes, args.rank, args.iters, graph=graph)
-    print(layer_table(rows))
     gpu = torch.cuda.get_device_name()
     path = args.out or data_dir() / f"layer_{gpu_key(gpu).lower().replace(' ', '-')}{'_graph' if graph else ''}.json"
+    check_output_path(path, "--out")
+    rows = run_layer_bench(shapes, args.rank, args.iters, graph=graph)
+    print(layer_table(rows))
     cmd = f"w4a4-book bench-layer --shapes {args.shapes} --rank {args.rank} --iters {args.iters}" + (" --graph" if graph else "")
     prov = provenance(cmd, [list(s) for s in shapes], kind="layer", rank=args.rank, timing="cuda_graph" if graph else "eager",
                       skipped=unavailable_paths())
@@ -345,11 +372,12 @@ def run(args) -> int:
 def _run_activation(args, shapes) -> int:
     "`bench-layer --activation`: measure, print and save the activation kernel's record."
     grid = dict(grid=ACTIVATION_GRID) if args.grid else {}
-    rows = run_activation_bench(shapes, args.rank, iters=args.iters, **grid)
-    print(activation_table(rows))
     gpu = torch.cuda.get_device_name()
     name = "activation_grid" if args.grid else "activation"
     path = args.out or data_dir() / f"{name}_{gpu_key(gpu).lower().replace(' ', '-')}.json"
+    check_output_path(path, "--out")
+    rows = run_activation_bench(shapes, args.rank, iters=args.iters, **grid)
+    print(activation_table(rows))
     cmd = f"w4a4-book bench-layer --activation{' --grid' if args.grid else ''} --shapes {args.shapes} --rank {args.rank} --iters {args.iters}"
     prov = provenance(cmd, [list(s) for s in shapes], kind="activation", rank=args.rank, timing="cuda_graph")
     print(f"saved {save_record(path, prov, rows)}")

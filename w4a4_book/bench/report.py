@@ -15,27 +15,35 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..records import (data_dir, list_records, load_record, markdown_table, provenance, remeasure,
-                               save_record, validate)
+from ..records import (check_output_path, data_dir, list_records, load_record, markdown_table, provenance,
+                               remeasure, save_record, validate)
 from .timing import MIN_ITERS, check_timing, gpu_key, peak_for
-from .workloads import ALL_METHODS, BENCH_FORMATS, SHAPE_SETS, bench_problems, default_methods, run_bench
+from .workloads import (ALL_METHODS, BENCH_FORMATS, DEFAULT_METHODS, SHAPE_SETS, STOCK_GEMM_ENV,
+                                       KernelRef, bench_problems, default_methods, run_bench, stock_fp8_gemm,
+                                       stock_int8_gemm)
+from ..gemm import DEFAULT_FMT
 
 # %% auto #0
 __all__ = ['FLOOR_FRACTION', 'VALUE_FORMATS', 'RATIO_PAIRS', 'PG_TARGETS', 'GEOMEAN_M', 'GEOMEAN_R', 'README_RECORDS',
-           'LORA_RECORD', 'README_COLUMNS', 'LAYER_README_RECORDS', 'LAYER_README_PATHS', 'ACTIVATION_README_RECORD',
-           'PG_README_RECORDS', 'PG_README_COLUMNS', 'WAVES_RECORD', 'bench_path', 'save_bench', 'mfu_floors',
-           'check_floors', 'latest_record', 'recorded_rows', 'bench_table', 'plot_bench', 'speedups', 'ratio_table',
-           'geomean', 'pg_targets', 'target_lines', 'record_line', 'recorded_report', 'large_m', 'readme_table',
-           'standing', 'lora_line', 'layer_readme', 'activation_readme', 'pg_readme', 'waves_line', 'readme_results',
-           'add_arguments', 'run', 'bench_cli']
+           'LORA_RECORD', 'README_COLUMNS', 'STOCK_METHODS', 'STOCK_SETUP', 'LAYER_README_RECORDS',
+           'LAYER_README_PATHS', 'ACTIVATION_README_RECORD', 'PG_README_RECORDS', 'PG_README_COLUMNS', 'WAVES_RECORD',
+           'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record', 'recorded_rows', 'bench_table',
+           'plot_bench', 'speedups', 'ratio_table', 'geomean', 'pg_targets', 'target_lines', 'record_line',
+           'recorded_report', 'current_first', 'large_m', 'readme_table', 'standing', 'lora_line', 'layer_readme',
+           'activation_readme', 'pg_readme', 'waves_line', 'readme_results', 'add_arguments', 'method_name',
+           'method_lines', 'run', 'bench_cli']
 
 # %% ../../nbs/09b_report.ipynb #73c5dfaa
 FLOOR_FRACTION = 0.9   # a kernel fails --check below this fraction of its recorded MFU
 
-def bench_path(gpu_name: str, tag: str) -> Path:
-    "Where `save_bench` puts a record: `nbs/data/bench_<gpu>_<tag>.json`."
+def _check_tag(tag) -> str:
     if not isinstance(tag, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", tag):
         raise ValueError(f"tag must be letters, digits, '.', '_' or '-', got {tag!r}")
+    return tag
+
+def bench_path(gpu_name: str, tag: str) -> Path:
+    "Where `save_bench` puts a record: `nbs/data/bench_<gpu>_<tag>.json`."
+    _check_tag(tag)
     return data_dir() / f"bench_{gpu_key(gpu_name).lower().replace(' ', '-')}_{tag}.json"
 
 def save_bench(rows: list[dict], path: str | Path, *, command: str, **extra) -> Path:
@@ -230,11 +238,20 @@ LORA_RECORD = "lora_bug_h200.json"                                      # the Lo
 README_COLUMNS = {"torch_bf16": "torch bf16", "torch_fp8_rowwise": "torch FP8 rowwise", "w4a4_v1": "v1",
                   "w4a4_v2": "v2", "w4a4_v2_2cta": "v2 2-CTA"}         # method -> README column (TFLOP/s)
 
+STOCK_METHODS = tuple(m.name for m in ALL_METHODS.values() if m.build in (stock_fp8_gemm, stock_int8_gemm))
+# what a command that times a stock GEMM needs first: the example's file, from a CUTLASS checkout
+STOCK_SETUP = (f"`export {STOCK_GEMM_ENV}=$CUTLASS/examples/python/CuTeDSL/hopper/dense_gemm_persistent.py` first, "
+               "`$CUTLASS` a checkout of `git clone --branch v4.3.5 https://github.com/NVIDIA/cutlass`")
+
 def record_line(name: str, prov: dict) -> str:
-    "Markdown: record `name`, the GPU and software it was measured with, and the command that re-measures it."
+    """Markdown: record `name`, the GPU and software it was measured with, and the command that re-measures it, with
+    the setup the stock GEMMs need (`STOCK_SETUP`) where the command times one."""
     validate(prov)
+    cmd = remeasure(prov, name)
+    stock = [m for m in STOCK_METHODS if m in cmd.split()]
+    need = f" ({', '.join(f'`{m}`' for m in stock)}: {STOCK_SETUP})" if stock else ""
     return (f"`{name}`: {prov['gpu']}, driver {prov['driver']}, torch {prov['torch']}, nvidia-cutlass-dsl "
-            f"{prov['cutlass_dsl']}, commit `{prov['commit'][:12]}`, {prov['date']}. Re-measure: `{remeasure(prov, name)}`")
+            f"{prov['cutlass_dsl']}, commit `{prov['commit'][:12]}`, {prov['date']}. Re-measure: `{cmd}`{need}")
 
 def recorded_report(kind: str, table: Callable[[list], str]) -> str:
     "Every record of `kind` in `nbs/data/`, labelled recorded: its provenance, its re-measure command, `table(rows)`."
@@ -246,6 +263,33 @@ def recorded_report(kind: str, table: Callable[[list], str]) -> str:
         prov, rows = load_record(path)
         parts += [f"recorded: {record_line(path.name, prov)}", table(rows), ""]
     return "\n".join(parts).rstrip()
+
+def _run_line(label: str, name: str, prov: dict) -> str:
+    "A recorded run's heading: `label`, the record, where, when and how it was measured, its re-measure command."
+    timing = {"cuda_graph": ", CUDA-graph replays", "eager": ", eager calls"}.get(prov.get("timing"), "")
+    skipped = "".join(f"; skipped {p}: {why}" for p, why in prov.get("skipped", {}).items())
+    return (f"{label}: `{name}`, recorded on the {prov['gpu']} ({prov['date'][:10]}, commit {prov['commit'][:10]}"
+            f"{timing}); re-measure: {remeasure(prov, name)}{skipped}")
+
+def current_first(current: list, others: list, what: str, table: Callable[[list], str], show_all: bool = False,
+                  label: str = "current, the README's") -> list[str]:
+    """What a command without a GPU prints of its records, each run `(name, provenance, rows)`: first the current ones
+    (those the README or a chapter reads), under `label`, each with `table(rows)`; where none is, the newest of
+    `others` in their place, labelled newest. Then the other runs of `what`, newest first, with `show_all`; without
+    it, one line saying how many `--all` adds."""
+    others = sorted(others, key=lambda r: r[1]["date"], reverse=True)
+    if not current:
+        current, others, label = others[:1], others[1:], "newest"
+    if not current:
+        return [f"No recorded {what}."]
+    out = [line for name, prov, rows in current for line in (_run_line(label, name, prov), table(rows))]
+    n = f"{len(others)} other record{'s' if len(others) > 1 else ''} of {what} (earlier runs and experiments)"
+    if others and show_all:
+        out += [f"The {n}, newest first:"]
+        out += [line for name, prov, rows in others for line in (_run_line("other", name, prov), table(rows))]
+    elif others:
+        out.append(f"{n}: `--all` prints them.")
+    return out
 
 def _span(values: Sequence[float], fmt: str = "{:.2f}") -> str:
     "`lo–hi` of `values` formatted with `fmt`, or one value when both ends format the same."
@@ -406,10 +450,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     "Options of `w4a4-book bench`."
     p.add_argument("--shapes", choices=SHAPE_SETS, default="all", help="problem set (default: all)")
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="LoRA ranks for every set (default: per set)")
-    p.add_argument("--methods", nargs="+", choices=list(ALL_METHODS), default=None,
-                   help="methods to time (default: the format's set, default_methods; the diagnostics only when named)")
-    p.add_argument("--fmt", choices=BENCH_FORMATS, default="int4",
-                   help="operand formats: int4, nvfp4, int4_pg, or int8 (W4A8: int8 x int4_pg) (default: int4)")
+    p.add_argument("--methods", nargs="+", type=method_name, default=None, metavar="METHOD",
+                   help="methods to time (default: the format's set); --list-methods lists them")
+    p.add_argument("--list-methods", action="store_true", help="list every method, the formats it runs on, and exit")
+    p.add_argument("--fmt", choices=BENCH_FORMATS, default=DEFAULT_FMT,
+                   help=f"operand formats: int4_pg, int4, nvfp4, or int8 (W4A8, int8 x int4_pg); default {DEFAULT_FMT}")
     p.add_argument("--iters", type=int, default=50, help=f"timed calls per method, >= {MIN_ITERS} (default: 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls first (default: 10)")
     p.add_argument("--tag", default=None,
@@ -418,6 +463,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true", help=f"fail when a kernel is below {FLOOR_FRACTION} x its recorded MFU")
     p.add_argument("--baseline", type=Path, default=None,
                    help="record to check against (default: every record for this GPU, the newest row per method and shape)")
+
+def method_name(name: str) -> str:
+    "`--methods`' type: `name` if it is a method of `ALL_METHODS`; else a one-line error pointing to `--list-methods`."
+    if name not in ALL_METHODS:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a method; `w4a4-book bench --list-methods` lists them")
+    return name
+
+def _method_what(m) -> str:
+    "What method `m` times, in a few words: its builder's first line, or its kernel and the fields it sets."
+    c = m.config
+    if c is None:
+        what = " ".join((m.build.__doc__ or m.name).split()).split(". ")[0].rstrip(".")
+        return what + (f" (needs {STOCK_GEMM_ENV})" if m.name in STOCK_METHODS else "")
+    if isinstance(c, KernelRef):
+        fields = [f"{k}={v}" for k, v in c.fields] + (["the library's tile"] if c.chosen else [])
+        name = f"{c.kernel or 'default'} {c.fmt}{' ' + c.mainloop if c.mainloop else ''}"
+    else:
+        from dataclasses import fields as dc_fields
+        fields = [f"{f.name}={getattr(c, f.name)!r}" for f in dc_fields(c) if getattr(c, f.name) != f.default]
+        name = f"{c.kernel} {c.fmt}"
+    return f"kernel {name}" + "".join(f", {f}" for f in fields) + ("" if m.checked else "; output not checked")
+
+def method_lines() -> list[str]:
+    """`bench --list-methods`: one line per method: its name, the formats it runs on, the formats whose default set
+    has it, what it times."""
+    rows = [(n, ",".join(m.fmts or BENCH_FORMATS), ",".join(f for f, ms in DEFAULT_METHODS.items() if n in ms) or "-",
+             _method_what(m)) for n, m in ALL_METHODS.items()]
+    w = [max(len(r[i]) for r in rows + [("METHOD", "RUNS ON", "DEFAULT FOR")]) for i in range(3)]
+    line = lambda r: f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]}"
+    return [line(("METHOD", "RUNS ON", "DEFAULT FOR", "WHAT IT TIMES"))] + [line(r) for r in rows]
 
 def _methods(args: argparse.Namespace) -> list[str]:
     "The methods of `args`: those named, or the format's default set."
@@ -449,23 +524,35 @@ def _command(args: argparse.Namespace) -> str:
     return "w4a4-book bench " + shlex.join(parts)
 
 def run(args: argparse.Namespace) -> int:
-    "Measure, print the table, then save a record or (`--check`) compare with one; return the exit code."
+    """Measure, print the table, then save a record or (`--check`) compare with one; return the exit code. Every option,
+    `--out`'s folder and `--baseline`'s record included, is checked before anything is measured."""
+    if args.list_methods:
+        print("\n".join(method_lines()))
+        return 0
     problems, names = bench_problems(args.shapes, args.ranks), _methods(args)
     check_timing(args.iters, args.warmup)
+    _check_tag(_tag(args))                       # a --tag that cannot name a file fails now, not after the run
+    if args.out is not None: check_output_path(args.out, "--out")
+    if args.baseline is not None and not Path(args.baseline).is_file():
+        raise ValueError(f"--baseline: no record at {args.baseline}")
+    baseline_rows = load_record(args.baseline)[1] if args.baseline is not None else None
     if not torch.cuda.is_available():
         print("w4a4-book bench: nothing is measured here: no CUDA GPU (torch.cuda.is_available() is False). "
               f"The recorded runs are the bench_*.json files in {data_dir()}, shown by the README and the benchmarks chapter.",
               file=sys.stderr)
         return 1
+    gpu_name = torch.cuda.get_device_name()
+    save_to = args.out or bench_path(gpu_name, _tag(args)) if args.out is not None or not args.check else None
+    if save_to is not None: check_output_path(save_to, "--out")
     rows = run_bench(problems, names, fmt=args.fmt, iters=args.iters, warmup=args.warmup)
     print(bench_table(rows))
     _print_targets(rows, args.fmt, names)
     for r in rows:
         if r["note"]:
             print(f"note: {r['method']} {r['M']}x{r['N']}x{r['K']} R={r['R']}: {r['note']}", file=sys.stderr)
-    status, gpu_name = 0, torch.cuda.get_device_name()
+    status = 0
     if args.check:
-        recorded = load_record(args.baseline)[1] if args.baseline else recorded_rows(gpu_name)
+        recorded = baseline_rows if args.baseline else recorded_rows(gpu_name)
         baseline = args.baseline or f"every bench record for {gpu_name} under {data_dir()}"
         failures = (check_floors(rows, recorded) if recorded
                     else [f"no bench record for {gpu_name} under {data_dir()}; run without --check first"])
@@ -473,9 +560,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"FAIL {f}", file=sys.stderr)
         print(f"check against {baseline}: {'FAILED' if failures else 'passed'}")
         status = 1 if failures else 0
-    if args.out is not None or not args.check:
-        path = args.out or bench_path(gpu_name, _tag(args))
-        print(f"saved {save_bench(rows, path, command=_command(args), iters=args.iters, warmup=args.warmup)}")
+    if save_to is not None:
+        print(f"saved {save_bench(rows, save_to, command=_command(args), iters=args.iters, warmup=args.warmup)}")
     return status
 
 def bench_cli(argv: Sequence[str] | None = None) -> int:
