@@ -1,4 +1,4 @@
-"""`w4a4-book bench-block` (`nbs/09d_bench_block.ipynb`): the FP8 module, the table, the command without a GPU, and
+"""`w4a4-book bench-block` (`nbs/20d_bench_block.ipynb`): the FP8 module, the table, the command without a GPU, and
 on a GPU a small block timed in every path and mode."""
 import argparse
 import contextlib

@@ -1,4 +1,4 @@
-"""The FLUX-like block of `nbs/08d_block.ipynb` at tiny widths: its shape, its seeding, and its error per format after
+"""The FLUX-like block of `nbs/17_block.ipynb` at tiny widths: its shape, its seeding, and its error per format after
 `quantize_model`, on the CPU."""
 import math
 

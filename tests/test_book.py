@@ -14,10 +14,13 @@ from w4a4_book.cli import drop_missing, render_book, sidebar_files
 
 ROOT = Path(__file__).resolve().parent.parent
 NBS = ROOT/"nbs"
-CHAPTERS = ["index", "00_package", "01_formats", "02_reference", "02a_operands", "03_smem", "03a_sm90_parts", "04_v1",
-            "05_v2", "05a_gemm", "05b_pg", "06_lora_bug", "07_pipeline_depth", "07a_depth_model", "08_layer", "08a_quant", "08b_accuracy",
-            "08c_ops", "08d_block", "09a_timing", "09_bench", "09b_report", "09c_bench_layer", "09d_bench_block", "10_blackwell", "10_sm100_parts", "10a_sm100_v1", "10b_sm100_v2", "11_gotchas"]
-APPENDIX = ["12_running", "13_cli", "14_records"]
+PART_I = ["02_formats", "03_reference", "04_v1", "05_v2", "06_budget", "07_lora_bug", "08_pipeline_depth", "09_pg",
+          "10_blackwell", "11_lessons"]
+PART_II = ["12_package", "13_gemm", "13a_operands", "13b_sm90_parts", "14_layer", "14a_ops", "15_quant", "16_accuracy",
+           "17_block", "18_sm100_parts", "18a_sm100_v1", "18b_sm100_v2"]
+APPENDIX = ["20_bench", "20a_timing", "20b_report", "20c_bench_layer", "20d_bench_block", "21_depth_model", "22_records",
+            "23_cli", "24_running"]
+CHAPTERS = ["index", *PART_I, *PART_II]
 CONFIG = yaml.safe_load((ROOT/"_quarto.yml").read_text())
 
 
@@ -35,7 +38,16 @@ def test_sidebar_in_reading_order():
     assert sidebar_files(CONFIG) == [f"{c}.ipynb" for c in CHAPTERS + APPENDIX]
     contents = CONFIG["website"]["sidebar"]["contents"]
     assert contents[0] == {"href": "index.ipynb", "text": "Introduction"}
-    assert contents[-1] == {"section": "Appendix", "contents": [f"{c}.ipynb" for c in APPENDIX]}
+    assert [c.get("section") for c in contents[1:]] == ["Part I: the story", "Part II: the library", "Appendices"]
+    assert [c["contents"] for c in contents[1:]] == [[f"{c}.ipynb" for c in part] for part in (PART_I, PART_II, APPENDIX)]
+
+
+def test_chapter_numbers_follow_the_sidebar():
+    "No two chapters share a number, and the numbers rise in reading order."
+    import re as _re
+    keys = [_re.match(r"(\d+)([a-z]?)_", c).groups() for c in PART_I + PART_II + APPENDIX]
+    keys = [(int(n), letter) for n, letter in keys]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
     assert CONFIG["project"]["type"] == "website"
 
 
@@ -103,15 +115,15 @@ def test_outputs_survive(book):
                  and not re.search(r"^#\|\s*(output|include):\s*false", "".join(c["source"]), re.M)]
         pngs = sum("image/png" in o.get("data", {}) for c in shown for o in c.get("outputs", []))
         assert (dest/nb_path.with_suffix(".html").name).read_text().count("data:image/png") == pngs, nb_path.name
-    records = (dest/"14_records.html").read_text()
+    records = (dest/"22_records.html").read_text()
     assert records.count("<table") >= 2
 
 
 def test_api_entries_and_exported_code(book):
     dest, _, _ = book
-    page = (dest/"14_records.html").read_text()
+    page = (dest/"22_records.html").read_text()
     assert re.search(r'<h3 id="save_record"[^>]*>save_record</h3>', page)
-    assert 'href="14_records.html#provenance"' in page  # a name in backticks links to its entry, locally
+    assert 'href="22_records.html#provenance"' in page  # a name in backticks links to its entry, locally
     assert '<span class="kw">def</span> <span class="fu">save_record</span>' in page
     assert "default_exp" not in page and "#| export" not in page
 
@@ -137,7 +149,7 @@ def test_pages_load_nothing_from_the_network(book):
 
 def test_formulas_are_mathml(book):
     dest, _, _ = book
-    for name in ("01_formats.html", "02_reference.html"):
+    for name in ("02_formats.html", "03_reference.html"):
         page = (dest/name).read_text()
         assert page.count("<math") >= 5 and 'display="block"' in page, name
         assert "katex" not in page.lower() and not re.search(r'class="math (inline|display)">\\[(\[]', page), name

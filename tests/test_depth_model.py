@@ -1,4 +1,4 @@
-"""The depth model's held stages (chapter 7a), its inverse, and the recorded pointer chase it reads."""
+"""The depth model's held stages (chapter 21), its inverse, and the recorded pointer chase it reads."""
 import pytest
 
 from w4a4_book.bench import latency

@@ -287,7 +287,7 @@ def test_check_fmt_allowed():
         check_fmt("int4_pg")
     with pytest.raises(ValueError, match="fmt='int5' is not a known format"):
         check_fmt("int5", QFORMATS)
-    assert GROUP_SIZE == {"int4": 64, "nvfp4": 16}                 # what chapters 3-11 key on, unchanged
+    assert GROUP_SIZE == {"int4": 64, "nvfp4": 16}                 # what chapters 6-11 key on, unchanged
 
 
 def test_int4_pg_hand_checked():

@@ -1,4 +1,4 @@
-"""The LoRA accounting experiment and the stage sweep (chapters 6 and 7): solver accounting, the recorded H200
+"""The LoRA accounting experiment and the stage sweep (chapters 7 and 8): solver accounting, the recorded H200
 data, the plots and the no-GPU command paths on the CPU; both accounting modes against the reference on a GPU."""
 import math
 import matplotlib

@@ -1,6 +1,6 @@
-"""The sm_100 kernels (chapter 10a), checked without a Blackwell GPU: the host scale-factor layout, the host emulation
+"""The sm_100 kernels (chapter 18a), checked without a Blackwell GPU: the host scale-factor layout, the host emulation
 of the kernels' arithmetic against the reference, the solver family, compiles for sm_100a (PTX, shared memory,
-ptxas) and named errors, for v1, the naive pair and v2 (chapter 10b). The tests marked `sm100` run the kernels on a compute-capability-10 GPU (`pytest -m sm100`)
+ptxas) and named errors, for v1, the naive pair and v2 (chapter 18b). The tests marked `sm100` run the kernels on a compute-capability-10 GPU (`pytest -m sm100`)
 and are skipped everywhere else: none has run yet."""
 import itertools
 import subprocess
@@ -233,7 +233,7 @@ def test_matches_reference_on_b200(cg, M, N, K, R, out_dtype):
     torch.testing.assert_close(out.cpu().float(), emu.float(), rtol=2**-7, atol=1e-3 * ref.abs().max().item())
 
 
-# ---------------------------------------------------------------- v2 (chapter 10b), on CPU
+# ---------------------------------------------------------------- v2 (chapter 18b), on CPU
 def test_v2_solver_family_and_tmem():
     "v2's budget is the solver's Blackwell family: the pair loses the stages the solver says; TMEM is counted."
     for R, per_cta, pair in [(32, 5, 4), (128, 3, 2)]:

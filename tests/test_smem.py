@@ -1,4 +1,4 @@
-"""The shared-memory budget solver (w4a4_book/smem.py, chapter nbs/03_smem.ipynb)."""
+"""The shared-memory budget solver (w4a4_book/smem.py, chapter nbs/06_budget.ipynb)."""
 import json
 import os
 import subprocess

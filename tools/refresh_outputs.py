@@ -2,7 +2,7 @@
 results (`w4a4-book render` runs only the exported and `show_doc` cells). Cells marked `#| gpu` are not run and keep
 the outputs they had. Run `nbdev_clean` afterwards, as before any commit.
 
-    python tools/refresh_outputs.py nbs/06_lora_bug.ipynb [more notebooks]
+    python tools/refresh_outputs.py nbs/07_lora_bug.ipynb [more notebooks]
 """
 import re, sys
 from pathlib import Path
