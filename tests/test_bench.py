@@ -4,6 +4,7 @@ W4A8), baselines on CPU, the method registry with its lazily looked-up kernels, 
 import argparse
 import ast
 import importlib.util
+import io
 import json
 import os
 import re
@@ -430,6 +431,11 @@ def test_table_and_plot(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
     with pytest.raises(ValueError, match="no timed row"):
         plot_bench([_row()])
+    small = report.compact_png(fig)                         # the notebooks' stored form: a palette PNG, shown at size
+    from PIL import Image as Pil
+    png = Pil.open(io.BytesIO(small.data))
+    assert png.mode == "P" and (small.width, small.height) == (png.size[0] // 2, png.size[1] // 2)
+    assert report.compact_png(fig).data == small.data       # deterministic: a refresh stores the same bytes
 
 
 def _parser():

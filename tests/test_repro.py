@@ -249,6 +249,18 @@ def test_plot_sweep_and_table(tmp_path):
     assert table.count("\n") == len(sweep.curves(rows)) + 1
 
 
+def test_plot_move_marks_the_original_move_on_the_recorded_curve(tmp_path):
+    "The move of `LORA_MOVE_CONFIG` at R = 128 lands on points of the recorded int4_pg curve of its tile, and is 4 -> 2."
+    rows = [r for p, _, rs in _records("sweep_stages") if "int4_pg" in p.name for r in rs]
+    key = next(k for k in sweep.curves(rows) if k[5] == 2 and k[7] == repro.LORA_MOVE_CONFIG.tile_m)
+    cfg = repro.LORA_MOVE_CONFIG
+    move = sweep.solver_marks(cfg, gemm.example_problem(gemm.spec_for(cfg), *key[1:5]))
+    assert move == {"per_cta": 4, "pair": 2} and set(move.values()) <= set(sweep.curves(rows)[key])
+    pub = [(v[3], v[2], f"L = {v[0]}") for v in (records.citations()[f]["values"] for f in repro.PUBLISHED_SWEEP)]
+    fig = sweep.plot_move(rows, key, move, pub, path=tmp_path / "move.png")
+    assert isinstance(fig, Figure) and len(fig.axes) == 2 and (tmp_path / "move.png").stat().st_size > 0
+
+
 # ---------------------------------------------------------------- the commands without a GPU
 @pytest.fixture
 def no_kernel(monkeypatch):

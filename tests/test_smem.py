@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from w4a4_book.smem import (ARCHS, CONFIGS, DTYPE_BITS, FAMILIES, LORA_ACCOUNTING, BlackwellOrigConfig, HopperV1Config,
-                            Term, blackwell_orig_terms, check_config, explain, solve, struct_layout)
+                            Term, blackwell_orig_terms, budget_segments, check_config, explain, plot_budgets, solve,
+                            struct_layout)
 
 
 def _budgets():
@@ -35,6 +36,26 @@ def _invariants(b):
 @pytest.mark.parametrize("name,b", list(_budgets()))
 def test_terms_sum_to_total_within_capacity(name, b):
     _invariants(b)
+
+
+@pytest.mark.parametrize("name,b", list(_budgets()))
+def test_budget_segments_sum_to_total(name, b):
+    "The drawn segments are the charged total, and the phantom is what is charged for the LoRA blocks but not held."
+    seg = budget_segments(b)
+    assert sum(seg.values()) == b.total and min(seg.values()) >= 0
+    held = {t.name: t.bytes for t in b.fields}
+    assert seg["phantom LoRA bytes"] == sum(t.bytes - held.get(t.name, 0) for t in b.terms if t.per_stage == "lora")
+    if b.config.lora_accounting == "per_cta":
+        assert seg["phantom LoRA bytes"] == 0
+
+
+def test_plot_budgets(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    bs = {a: solve(HopperV1Config(lora_rank=128, cluster_n=2, lora_accounting=a)) for a in ("pair", "per_cta")}
+    fig = plot_budgets(bs, path=tmp_path / "b.png")
+    assert (tmp_path / "b.png").stat().st_size > 0
+    assert [t.get_text() for t in fig.axes[0].texts if "main stage" in t.get_text()] == ["5 main stages", "3 main stages"]
 
 
 def test_arch_capacities():

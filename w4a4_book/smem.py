@@ -5,12 +5,13 @@
 # %% auto #0
 __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALIGN', 'SWIZZLE_128B_ALIGN', 'DTYPE_BITS',
            'STAGE_KINDS', 'LORA_ACCOUNTING', 'LA_AT_PAIR', 'LU_AT_PAIR', 'GROUP_SIZE', 'PG_GROUP', 'PG_LOOKUP_BYTES',
-           'SM100_EPI_TILE', 'PROMOTIONS', 'ABLATIONS', 'FAMILIES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS',
-           'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms',
+           'SM100_EPI_TILE', 'PROMOTIONS', 'ABLATIONS', 'FAMILIES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'BUDGET_KINDS',
+           'CONFIGS', 'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms',
            'HopperV2Config', 'hopper_v2_terms', 'HopperPgConfig', 'lora_chunk_of', 'hopper_pg_terms',
            'HopperPgSmemConfig', 'HopperPgV1Config', 'HopperPgStreamKConfig', 'hopper_pg_smem_terms',
            'blackwell_orig_terms', 'Family', 'given_stages', 'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms',
-           'Sm100V2Config', 'sm100_v2_terms', 'check_config', 'Budget', 'solve', 'explain']
+           'Sm100V2Config', 'sm100_v2_terms', 'check_config', 'Budget', 'solve', 'budget_segments', 'plot_budgets',
+           'explain']
 
 # %% ../nbs/06_budget.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -657,6 +658,59 @@ def solve(cfg, *, k: int | None = None) -> Budget:
     fields = tuple(t for t in fam.terms(cfg, st, "per_cta") if t.bytes)
     return Budget(cfg, {s: st[s] for s in STAGE_KINDS}, terms, offsets, total - sum(t.bytes for t in terms),
                   total, fields, struct_layout(fields)[1], cap)
+
+# %% ../nbs/06_budget.ipynb #d8ab4dee
+BUDGET_KINDS = ("main stages", "decoded tiles", "LoRA blocks", "phantom LoRA bytes", "epilogue",
+                "barriers, padding, other")
+
+def budget_segments(b: Budget) -> dict:
+    """`b`'s charged bytes by kind, in `BUDGET_KINDS` order: the main stages' buffers, the decoded tiles, the LoRA
+    blocks as allocated, the LoRA bytes charged but never allocated (a `pair` mode's phantom), the output staging, and
+    the rest (barriers, tables, alignment). They sum to `b.total`."""
+    held, seg = {t.name: t.bytes for t in b.fields}, dict.fromkeys(BUDGET_KINDS, 0)
+    for t in (t for t in b.terms if t.dtype != "int64"):    # every barrier is an int64 term: the rest
+        if t.per_stage == "main": seg["main stages"] += t.bytes
+        elif t.per_stage == "decode": seg["decoded tiles"] += t.bytes
+        elif t.per_stage == "lora":
+            seg["LoRA blocks"] += held.get(t.name, 0)
+            seg["phantom LoRA bytes"] += t.bytes - held.get(t.name, 0)
+        elif t.name == "epilogue": seg["epilogue"] += t.bytes
+    seg["barriers, padding, other"] = b.total - sum(seg.values())
+    return seg
+
+# %% ../nbs/06_budget.ipynb #7b4df563
+_KIND_COLORS = ("tab:blue", "tab:cyan", "tab:orange", "white", "tab:purple", "0.6")   # one per BUDGET_KINDS
+
+def plot_budgets(budgets: dict, title=None, path=None):
+    """Stacked bars of `budget_segments` for each of `budgets` ({label: Budget}), top to bottom: the main stages one
+    box each and counted, the phantom LoRA bytes hatched, the capacity as a dashed line; saved to `path` if given."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(8.4, 0.42 * len(budgets) + 1.3), dpi=72)
+    ax = fig.subplots()
+    present = {k for b in budgets.values() for k, v in budget_segments(b).items() if v}    # the legend's kinds
+    for y, (label, b) in enumerate(reversed(budgets.items())):
+        left, seg, S = 0.0, budget_segments(b), b.stages["main"]
+        for kind, color in zip(BUDGET_KINDS, _KIND_COLORS):
+            w, phantom = seg[kind] / _KiB, kind == "phantom LoRA bytes"
+            ax.barh(y, w, left=left, height=0.6, color=color, edgecolor="tab:red" if phantom else "black",
+                    linewidth=0.5, hatch="xxx" if phantom else None, label=kind if y == 0 and kind in present else None)
+            if kind == "main stages":
+                for s in range(1, S):
+                    ax.plot([left + s * w / S] * 2, [y - 0.3, y + 0.3], color="white", linewidth=1)
+                ax.text(left + w / 2, y, f"{S} main stage{'s' * (S > 1)}", ha="center", va="center", fontsize=7,
+                        color="white", bbox=dict(boxstyle="square,pad=0.15", fc=color, ec="none"))
+            left += w
+    cap = max(b.capacity for b in budgets.values()) / _KiB
+    ax.axvline(cap, color="black", linestyle="--", linewidth=1)
+    ax.text(cap, len(budgets) - 0.45, "capacity ", fontsize=7, va="bottom", ha="right")
+    ax.set_yticks(range(len(budgets)), list(reversed(budgets)), fontsize=7)
+    ax.set_xlabel("KiB of shared memory per CTA, as charged", fontsize=8); ax.tick_params(axis="x", labelsize=7)
+    ax.set_xlim(0, cap * 1.02); ax.set_ylim(-0.5, len(budgets) - 0.1)
+    ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
+    if title: ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    if path is not None: fig.savefig(path)
+    return fig
 
 # %% ../nbs/06_budget.ipynb #9af1888f
 CONFIGS = {

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['SWEEP_PROBLEMS', 'SWEEP_CONFIGS', 'max_stages', 'min_stages', 'solver_marks', 'sweep_stages', 'curve_key', 'curves',
-           'curve_config', 'curve_label', 'sweep_marks', 'sweep_summary', 'sweep_table', 'plot_sweep',
+           'curve_config', 'curve_label', 'sweep_marks', 'sweep_summary', 'sweep_table', 'plot_sweep', 'plot_move',
            'recorded_report', 'add_arguments', 'command', 'run']
 
 # %% ../nbs/08_pipeline_depth.ipynb #10e2766a
@@ -152,6 +152,48 @@ def plot_sweep(rows, marks=None, path=None, title=None):
         ax.grid(alpha=0.3); ax.legend(fontsize=7, loc="lower right")
     axs[0].set_ylabel("MFU (% of dense FP8 peak)")
     if title: fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    if path is not None: fig.savefig(path)
+    return fig
+
+# %% ../nbs/08_pipeline_depth.ipynb #69dc41c9
+def plot_move(rows, key, move: dict, published=None, path=None, title=None):
+    """TFLOP/s against main stages on the curve `key` of `rows`, the other curves of its problem and format thin beside
+    it, and `move` ({mode: stages}) ringed on it with an arrow from the fix's count to the bug's. With `published`,
+    `[(main stages, TFLOP/s, label)]`, a second panel of those points; saved to `path` if given."""
+    from matplotlib.figure import Figure
+    cs = curves(rows)
+    shown = [k for k in cs if k[1:5] == key[1:5] and k[6] == key[6]]
+    fig = Figure(figsize=(8.4 if published else 4.6, 3.2), dpi=72)
+    axs = fig.subplots(1, 2 if published else 1, squeeze=False)[0]
+    ax, at = axs[0], {s: r["tflops"] for s, r in cs[key].items()}
+    for k in shown:
+        pts = {s: r["tflops"] for s, r in sorted(cs[k].items())}
+        ax.plot(list(pts), list(pts.values()), marker="o", ms=3, lw=2 if k == key else 0.8,
+                color="tab:blue" if k == key else "0.6", label=curve_label(k))
+    for mode, s in move.items():
+        ax.scatter([s], [at[s]], s=150, facecolors="none", edgecolors=_MARK_COLOR.get((mode,), "black"), linewidths=1.5,
+                   zorder=3)
+        ax.annotate(f"{mode}: {s}", (s, at[s]), textcoords="offset points", xytext=(8, -16), ha="left", fontsize=7)
+    fix, bug = move["per_cta"], min(v for m, v in move.items() if m != "per_cta")
+    ax.annotate("", xy=(bug, at[bug]), xytext=(fix, at[fix]), arrowprops=dict(
+        arrowstyle="->", color="tab:red", lw=1.2, connectionstyle="arc3,rad=0.4", shrinkA=8, shrinkB=8))
+    ax.set_title(title or "{}x{}x{}, R={}: the move on the recorded curve".format(*key[1:5]), fontsize=8)
+    ax.set_ylim(0, 1.15 * max(r["tflops"] for k in shown for r in cs[k].values()))
+    ax.set_xticks(range(min(min(cs[k]) for k in shown), max(max(cs[k]) for k in shown) + 1))
+    ax.legend(fontsize=6, loc="lower right"); ax.set_ylabel("TFLOP/s", fontsize=8)
+    if published:
+        px = axs[1]
+        s, tf, labels = zip(*sorted(published))
+        px.plot(s, tf, marker="s", ms=4, color="tab:brown", ls=":", lw=0.8)
+        for x, y, lab in zip(s, tf, labels):
+            px.annotate(lab, (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+        px.scatter(*zip(*[(n, y) for n, y in zip(s, tf) if n in move.values()]), s=150, facecolors="none",
+                   edgecolors="0.3", linewidths=1.2)
+        px.set_title("published by the original's author, B200", fontsize=8)
+        px.set_ylim(0, 1.15 * max(tf)); px.set_xticks(range(min(s), max(s) + 1))
+    for a in axs:
+        a.set_xlabel("main K-loop stages", fontsize=8); a.grid(alpha=0.3); a.tick_params(labelsize=7)
     fig.tight_layout()
     if path is not None: fig.savefig(path)
     return fig

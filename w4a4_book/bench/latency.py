@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['LINE', 'CHASE_BYTES', 'CHASE_HOPS', 'LATENCY_RECORD', 'PointerChase', 'chase_buffer', 'depth_model', 'stages_needed',
-           'latency_for', 'dram_latency', 'recorded_latency']
+           'latency_for', 'dram_latency', 'recorded_latency', 'kloop_timeline', 'timeline_period', 'plot_timeline']
 
 # %% ../../nbs/21_depth_model.ipynb #8c23adcc
 import math
@@ -78,3 +78,100 @@ LATENCY_RECORD = "latency_h200.json"
 def recorded_latency(name: str = LATENCY_RECORD) -> dict:
     "A recorded pointer chase from `nbs/data/`: `{where: seconds per dependent load}`, `where` being `dram` or `l2`."
     return {r["where"]: r["latency_s"] for r in records.load_record(records.data_dir() / name)[1]}
+
+# %% ../../nbs/21_depth_model.ipynb #bc03c095
+def kloop_timeline(blocks: int, latency: float, t_decode: float, t_mma: float, stages: int,
+                   decode_stages: int | None = None, roles=None) -> list:
+    """A discrete-event model of the first `blocks` K-blocks of one tile's K-loop: a TMA load lands `latency` after it
+    is issued, a K-block's decode takes `t_decode` and its MMAs with their promotion `t_mma`, the main ring has
+    `stages` slots. With `roles` None, v1's loop: every warp waits for a slot to fill, decodes it, multiplies,
+    releases it, and warp 0 then issues the load `stages` K-blocks ahead. With `roles` (a `WarpRoles`), v2's: the
+    load warp waits for a free slot, the decode warps for a full slot and then a free stage of the
+    `decode_stages`-deep decoded ring, the MMA warps for a decoded stage. Returns one dict per interval: `row` (0 for
+    the loads in flight, then one per role), `role`, `k`, `kind` (`load`: in flight; `issue`: an instant; `work`;
+    `wait`), `what` (the work, or the barrier waited on, named as in the budget), `slot` (the main ring's), `start`
+    and `end`."""
+    if blocks < 1 or stages < 1: raise ValueError(f"blocks={blocks}, stages={stages}: both must be >= 1")
+    if roles is not None and not decode_stages:
+        raise ValueError(f"decode_stages={decode_stages}: v2's roles need a decoded ring of at least one stage")
+    ev, S, D = [], stages, decode_stages
+    def add(row, role, k, kind, what, start, end):
+        if end > start or kind == "issue":
+            ev.append(dict(row=row, role=role, k=k, kind=kind, what=what, slot=k % S, start=start, end=end))
+    tma = "TMA loads in flight"
+    if roles is None:
+        who, issue, now = "every warp (warp 0 also issues the loads)", {k: 0.0 for k in range(min(S, blocks))}, 0.0
+        for k in range(blocks):
+            land = issue[k] + latency
+            add(0, tma, k, "load", f"K-block {k}", issue[k], land)
+            add(1, who, k, "wait", f"main_full[{k % S}]", now, land)
+            now = max(now, land)
+            add(1, who, k, "work", "decode", now, now + t_decode)
+            add(1, who, k, "work", "MMA + promote", now + t_decode, now + t_decode + t_mma)
+            now += t_decode + t_mma
+            if k + S < blocks: issue[k + S] = now          # released, then warp 0 refills the slot
+        return ev
+    span = lambda ws: f"{ws[0]}–{ws[-1]}" if len(ws) > 1 else f"{ws[0]}"
+    load, dec, mma = (f"load (warp {roles.load_warp})", f"decode (warps {span(roles.decode_warps)})",
+                      f"MMA (warps {span(roles.mma_warps)})")
+    freed, dfreed, t_load, t_dec, t_mm = {}, {}, 0.0, 0.0, 0.0
+    for k in range(blocks):                                # every wait is on an earlier K-block: one pass suffices
+        add(1, load, k, "wait", f"main_empty[{k % S}]", t_load, freed.get(k - S, 0.0))
+        t_load = max(t_load, freed.get(k - S, 0.0))
+        add(1, load, k, "issue", f"K-block {k}", t_load, t_load)
+        add(0, tma, k, "load", f"K-block {k}", t_load, t_load + latency)
+        add(2, dec, k, "wait", f"main_full[{k % S}]", t_dec, t_load + latency)
+        t_dec = max(t_dec, t_load + latency)
+        add(2, dec, k, "wait", f"dec_empty[{k % D}]", t_dec, dfreed.get(k - D, 0.0))
+        t_dec = max(t_dec, dfreed.get(k - D, 0.0))
+        add(2, dec, k, "work", "decode", t_dec, t_dec + t_decode)
+        t_dec = freed[k] = t_dec + t_decode                # the decoded stage is full, the main slot free
+        add(3, mma, k, "wait", f"dec_full[{k % D}]", t_mm, t_dec)
+        t_mm = max(t_mm, t_dec)
+        add(3, mma, k, "work", "MMA + promote", t_mm, t_mm + t_mma)
+        t_mm = dfreed[k] = t_mm + t_mma
+    return ev
+
+def timeline_period(events) -> float:
+    "The steady state of `kloop_timeline`'s `events`: mean time between MMA starts over the later half of them."
+    starts = sorted(e["start"] for e in events if e["what"] == "MMA + promote")
+    half = starts[len(starts) // 2:]
+    if len(half) < 2: raise ValueError(f"events: {len(starts)} K-blocks, too few for a steady state (at least 3)")
+    return (half[-1] - half[0]) / (len(half) - 1)
+
+# %% ../../nbs/21_depth_model.ipynb #bf05e32d
+def plot_timeline(events, title=None, path=None, unit="µs"):
+    """A Gantt chart of `kloop_timeline`'s `events`: a row per role, a bar per K-block's work coloured by K-block,
+    waits hatched and labelled with the barrier waited on, a tick where the load warp issues a load, and the TMA loads
+    in flight as thin bars, one lane per slot of the main ring; saved to `path` if given."""
+    from matplotlib.figure import Figure
+    rows = sorted({(e["row"], e["role"]) for e in events})
+    at = {r: len(rows) - 1 - i for i, (r, _) in enumerate(rows)}          # row id -> y, the first row on top
+    lanes = 1 + max(e["slot"] for e in events if e["kind"] == "load")
+    end = max(e["end"] for e in events)
+    fig = Figure(figsize=(8.4, 0.5 * len(rows) + 1.1), dpi=72)
+    ax = fig.subplots()
+    color = lambda k: f"C{k % 10}"
+    for e in events:
+        y, w, k = at[e["row"]], e["end"] - e["start"], e["k"]
+        if e["kind"] == "issue":
+            ax.plot([e["start"]] * 2, [y - 0.3, y + 0.3], color=color(k), linewidth=1.5)
+        elif e["kind"] == "load":
+            h = 0.8 / lanes
+            ax.barh(y - 0.4 + h * (e["slot"] + 0.5), w, left=e["start"], height=0.8 * h, color=color(k), alpha=0.7)
+        else:
+            wait = e["kind"] == "wait"
+            ax.barh(y, w, left=e["start"], height=0.62, color="white" if wait else color(k),
+                    edgecolor="0.35" if wait else "black", hatch="////" if wait else None, linewidth=0.5)
+            text = e["what"] if wait else f"{'D' if e['what'] == 'decode' else 'M'}{k}"
+            if w > 0.0075 * len(text) * end:               # a label only where it fits
+                ax.text(e["start"] + w / 2, y, text, ha="center", va="center", fontsize=6,
+                        bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none") if wait else None)
+    ax.set_yticks(range(len(rows)), [r for _, r in reversed(rows)], fontsize=7)
+    ax.set_xlim(0, end); ax.set_xlabel(f"time ({unit}), a model", fontsize=8); ax.tick_params(axis="x", labelsize=7)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title or "The K-loop, a model: D = decode, M = MMA + promotion, colour = K-block, hatched = waiting, "
+                 "tick = a load issued", fontsize=8)
+    fig.tight_layout()
+    if path is not None: fig.savefig(path)
+    return fig

@@ -28,10 +28,10 @@ __all__ = ['FLOOR_FRACTION', 'VALUE_FORMATS', 'RATIO_PAIRS', 'PG_TARGETS', 'GEOM
            'LORA_RECORD', 'README_COLUMNS', 'STOCK_METHODS', 'STOCK_SETUP', 'LAYER_README_RECORDS',
            'LAYER_README_PATHS', 'ACTIVATION_README_RECORD', 'PG_README_RECORDS', 'PG_README_COLUMNS', 'WAVES_RECORD',
            'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record', 'recorded_rows', 'bench_table',
-           'plot_bench', 'speedups', 'ratio_table', 'geomean', 'pg_targets', 'target_lines', 'record_line',
-           'recorded_report', 'current_first', 'large_m', 'readme_table', 'standing', 'lora_line', 'layer_readme',
-           'activation_readme', 'pg_readme', 'waves_line', 'readme_results', 'add_arguments', 'method_name',
-           'method_lines', 'run', 'bench_cli']
+           'plot_bench', 'compact_png', 'speedups', 'ratio_table', 'geomean', 'pg_targets', 'target_lines',
+           'record_line', 'recorded_report', 'current_first', 'large_m', 'readme_table', 'standing', 'lora_line',
+           'layer_readme', 'activation_readme', 'pg_readme', 'waves_line', 'readme_results', 'add_arguments',
+           'method_name', 'method_lines', 'run', 'bench_cli']
 
 # %% ../../nbs/20b_report.ipynb #73c5dfaa
 FLOOR_FRACTION = 0.9   # a kernel fails --check below this fraction of its recorded MFU
@@ -137,6 +137,19 @@ def plot_bench(rows: list[dict], title: str | None = None):
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+# %% ../../nbs/20b_report.ipynb #a52befe8
+def compact_png(fig, colors: int = 64):
+    """`fig` as a notebook output of few bytes: a PNG at twice the figure's dpi, shown at the figure's size (as the
+    inline backend's retina PNGs are), its pixels reduced to a palette of `colors` without dithering."""
+    import io
+    from IPython.display import Image
+    from PIL import Image as Pil
+    buf, out = io.BytesIO(), io.BytesIO()
+    fig.savefig(buf, format="png", dpi=2 * fig.dpi, bbox_inches="tight", facecolor="white")
+    Pil.open(buf).convert("RGB").quantize(colors, method=Pil.Quantize.MEDIANCUT, dither=Pil.Dither.NONE).save(
+        out, "PNG", optimize=True)
+    return Image(data=out.getvalue(), format="png", retina=True)
 
 # %% ../../nbs/20b_report.ipynb #96cf441f
 RATIO_PAIRS = (("w4a4_v2", "w4a4_v1"), ("w4a4_v2", "torch_fp8_rowwise"), ("w4a4_v2", "naive_dequant"),
