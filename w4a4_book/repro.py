@@ -222,8 +222,7 @@ def find_moves(k: int = 3840, ranks=LORA_BUG_RANKS, lora_stages=MOVE_LORA_STAGES
     return rows
 
 LORA_MOVE_CONFIG = smem.HopperPgConfig(tile_m=128, cluster_n=2, lora_stages=3, lora_chunk=64)   # the original's 4 -> 2
-LORA_MOVES = ((LORA_MOVE_CONFIG, (64, 128, 256)),                  # R=64 whole, R=128 and 256 in chunks of 64 columns
-              (smem.HopperV1Config(tile_m=64, cluster_n=2), (256,)))   # int4 v1: one whole LoRA stage, 7 -> 2
+LORA_MOVES = ((LORA_MOVE_CONFIG, (64, 128, 256)),)                 # R=64 whole, R=128 and 256 in chunks of 64 columns
 LORA_MOVE_PROBLEMS = tuple(dict.fromkeys(p for _, ranks in LORA_MOVES for p in workloads.bench_problems("m4352", ranks=ranks)))
 MOVES_SUFFIX = "_moves"   # `repro lora-bug --moves` saves lora_bug_<gpu>_moves.json
 
