@@ -159,3 +159,11 @@ def test_ptxas_keeps_wgmma_pipelined(version, R, opts):
     if res is None:
         pytest.skip("no ptxas on this machine")
     assert res["wgmma_advisories"] == [], res
+
+
+def test_int4_pairs_only_on_the_verified_tile():
+    "An int4 pair on a tile the H200 has not run (a 64-row one faulted there) is refused by name before any launch."
+    for cfg in (HopperV1Config(tile_m=64, cluster_n=2), HopperV2Config(tile_m=64, cluster_n=2)):
+        with pytest.raises(ValueError, match="tile_m: tile_m=64 with cluster_n=2"):
+            gemm.check(cfg, Problem(4352, 3072, 3840, 256))
+    assert gemm.check(HopperV1Config(tile_m=64), Problem(4352, 3072, 3840, 256)).K == 3840

@@ -153,7 +153,11 @@ def test_recorded_lora_bug_is_consistent():
             # the stage count the record names is the one the solver gives for that problem, kernel and mode (0: none fits)
             cfg = repro.row_config(r)
             p = gemm.example_problem(gemm.spec_for(cfg), r["M"], r["N"], r["K"], r["R"])
-            assert repro._main_stages(gemm.bind(cfg, p), k=r["K"])[0] == r["main_stages"], (path.name, r)
+            solved = repro._main_stages(gemm.bind(cfg, p), k=r["K"])[0]
+            if r.get("forced"):                      # a depth-sweep point: a stage count the solver's choice allows
+                assert 1 <= r["main_stages"] <= solved and "fixed_over_bug" not in r, (path.name, r)
+            else:
+                assert solved == r["main_stages"], (path.name, r)
             if r["tflops"] is None:                  # the bug left no stage: nothing was built or timed
                 assert r["main_stages"] == 0 and r["accounting"] == repro.BUG and "note" in r
                 continue
@@ -162,7 +166,8 @@ def test_recorded_lora_bug_is_consistent():
             assert r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
         for s in repro.lora_bug_summary(rows):
             assert s["stages_per_cta"] >= s["stages_pair"]
-            mine = [r for r in rows if (r.get("config") or s["config"], r["M"], r["N"], r["K"], r["R"]) == (s["config"], s["M"], s["N"], s["K"], s["R"])]
+            mine = [r for r in rows if not r.get("forced")
+                    and (r.get("config") or s["config"], r["M"], r["N"], r["K"], r["R"]) == (s["config"], s["M"], s["N"], s["K"], s["R"])]
             want = None if s["tflops_pair"] is None else s["tflops_per_cta"] / s["tflops_pair"]
             assert all(r["fixed_over_bug"] == want or math.isclose(r["fixed_over_bug"], want, rel_tol=1e-9) for r in mine)
 

@@ -25,7 +25,7 @@ from ..gemm import DEFAULT_FMT
 
 # %% auto #0
 __all__ = ['FLOOR_FRACTION', 'VALUE_FORMATS', 'RATIO_PAIRS', 'PG_TARGETS', 'GEOMEAN_M', 'GEOMEAN_R', 'README_RECORDS',
-           'LORA_RECORD', 'README_COLUMNS', 'STOCK_METHODS', 'STOCK_SETUP', 'LAYER_README_RECORDS',
+           'MOVES_RECORD', 'LORA_RECORD', 'README_COLUMNS', 'STOCK_METHODS', 'STOCK_SETUP', 'LAYER_README_RECORDS',
            'LAYER_README_PATHS', 'ACTIVATION_README_RECORD', 'PG_README_RECORDS', 'PG_README_COLUMNS', 'WAVES_RECORD',
            'bench_path', 'save_bench', 'mfu_floors', 'check_floors', 'latest_record', 'recorded_rows', 'bench_table',
            'plot_bench', 'compact_png', 'speedups', 'ratio_table', 'geomean', 'pg_targets', 'target_lines',
@@ -247,6 +247,7 @@ def target_lines(verdicts: list[dict]) -> list[str]:
 
 # %% ../../nbs/20b_report.ipynb #4c4a0c46
 README_RECORDS = ("bench_h200_all.json", "bench_h200_8192r128.json")   # the bench records the README shows
+MOVES_RECORD = "lora_bug_h200_moves.json"                               # the bug's 4 -> 2 move on Hopper (chapter 7)
 LORA_RECORD = "lora_bug_h200.json"                                      # the LoRA accounting record (chapter 7)
 README_COLUMNS = {"torch_bf16": "torch bf16", "torch_fp8_rowwise": "torch FP8 rowwise", "w4a4_v1": "v1",
                   "w4a4_v2": "v2", "w4a4_v2_2cta": "v2 2-CTA"}         # method -> README column (TFLOP/s)
@@ -431,7 +432,7 @@ def waves_line(rows: list[dict]) -> str:
             f"both timed in the same run (R = 32).")
 
 def readme_results(folder: str | Path | None = None) -> str:
-    "The README's Results section (without its heading), made from `README_RECORDS`, `PG_README_RECORDS`, `WAVES_RECORD`, `LAYER_README_RECORDS`, `ACTIVATION_README_RECORD` and `LORA_RECORD` in `folder` (default `nbs/data/`)."
+    "The README's Results section (without its heading), made from `README_RECORDS`, `PG_README_RECORDS`, `WAVES_RECORD`, `LAYER_README_RECORDS`, `ACTIVATION_README_RECORD`, `LORA_RECORD` and `MOVES_RECORD` in `folder` (default `nbs/data/`)."
     folder = data_dir() if folder is None else Path(folder)
     bench = [(name, *load_record(folder / name)) for name in README_RECORDS]
     pg = [(name, *load_record(folder / name)) for name in PG_README_RECORDS]
@@ -440,6 +441,8 @@ def readme_results(folder: str | Path | None = None) -> str:
     act = [(ACTIVATION_README_RECORD, *load_record(folder / ACTIVATION_README_RECORD))]
     waves = [(WAVES_RECORD, *load_record(folder / WAVES_RECORD))]
     lora_prov, lora_rows = load_record(folder / LORA_RECORD)
+    move_prov, move_rows = load_record(folder / MOVES_RECORD)
+    move_rows = [r for r in move_rows if not r.get("forced")]         # the two builds; the depths between are the chapter's
     prov = bench[0][1]
     return "\n".join([
         "**The exact-integer kernel** ([chapter 9](nbs/09_pg.ipynb)): int4_pg weights decoded in registers, int8 activations, "
@@ -456,7 +459,10 @@ def readme_results(folder: str | Path | None = None) -> str:
         "[benchmarks chapter](nbs/20_bench.ipynb); the records are in `nbs/data/`.",
         "", readme_table(rows), "", standing(rows), "",
         f"[LoRA accounting](nbs/07_lora_bug.ipynb) (2-CTA pairs, M = 4352, the four layers): {lora_line(lora_rows)}", "",
-        *[f"- {record_line(name, p)}" for name, p, _ in pg + waves + layer + act + bench], f"- {record_line(LORA_RECORD, lora_prov)}"])
+        f"[The original's move on Hopper](nbs/07_lora_bug.ipynb#the-move-measured) (the exact-integer kernel's 128-row "
+        f"pair with a three-stage LoRA ring, M = 4352, the four layers): {lora_line(move_rows)}", "",
+        *[f"- {record_line(name, p)}" for name, p, _ in pg + waves + layer + act + bench],
+        f"- {record_line(LORA_RECORD, lora_prov)}", f"- {record_line(MOVES_RECORD, move_prov)}"])
 
 # %% ../../nbs/20b_report.ipynb #849a0826
 def add_arguments(p: argparse.ArgumentParser) -> None:

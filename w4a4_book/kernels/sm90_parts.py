@@ -530,7 +530,10 @@ class Int4GemmBase:
 
     @classmethod
     def requirements(cls, cfg) -> operands.Requirements:
-        "What this kernel computes with config `cfg`: int4 operands, K and N in whole tiles."
+        "What this kernel computes with config `cfg`: int4 operands, K and N in whole tiles; a pair only on 128 rows."
+        if cfg.cluster_n == 2 and cfg.tile_m != 128:     # the pairs the H200 has run; a 64-row one faulted there
+            operands.fail(ValueError, "tile_m", f"tile_m={cfg.tile_m} with cluster_n=2: the int4 pairs are verified on "
+                          "the H200 at tile_m=128 only (a 64-row pair made an illegal memory access there)")
         return operands.Requirements(cls.name, formats=(("int4", "int4"),), k_multiple=cfg.tile_k,
                                      n_multiple=cfg.tile_n, cluster_sizes=(1, 2))
 
