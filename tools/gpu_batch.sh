@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One call on a lent Hopper machine: the steps of tools/gpu_checks.py named on the command line, in order, each given
 # at most its cap and never more than what is left of the call's budget; their records and logs go to OUT.
-#   bash tools/gpu_batch.sh OUT BUDGET_S suite sanitize moves ladder
+#   bash tools/gpu_batch.sh OUT BUDGET_S suite sanitize diagnose moves ladder
 set -uo pipefail
 out=${1:?an output folder}; end=$(( $(date +%s) + ${2:?a budget in seconds} )); shift 2
-declare -A cap=([suite]=330 [sanitize]=150 [moves]=420 [ladder]=240)
+declare -A cap=([suite]=330 [sanitize]=150 [diagnose]=90 [moves]=420 [ladder]=240)
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
 for step in "$@"; do
     left=$(( end - $(date +%s) )); t=$(( left < ${cap[$step]} ? left : ${cap[$step]} ))
@@ -13,6 +13,7 @@ for step in "$@"; do
     case $step in
         suite) timeout "$t" python3 tools/gpu_checks.py suite --out "$out/gpu_suite_$gpu.json" --workers 14 ;;
         sanitize) timeout "$t" python3 tools/gpu_checks.py sanitize --out "$out/sanitizer_$gpu.json" --workers 8 ;;
+        diagnose) timeout "$t" python3 tools/gpu_checks.py diagnose --out "$out/diagnose_$gpu.json" ;;
         moves|ladder) timeout "$t" python3 tools/gpu_checks.py records --out-dir "$out" --only "$step" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac 2>&1 | tee "$out/$step.log"

@@ -5,6 +5,7 @@ records the book reads (the LoRA bug's move with its depth curves, and the int4_
     python tools/gpu_checks.py suite --out nbs/data/gpu_suite_h200.json [--workers 8]
     python tools/gpu_checks.py sanitize --out nbs/data/sanitizer_h200.json [--workers 6]
     python tools/gpu_checks.py records --out-dir nbs/data [--only moves ladder]
+    python tools/gpu_checks.py diagnose --out nbs/data/diagnose_h200.json   # the refused configs, under memcheck
     python tools/gpu_checks.py launch CASE     # one launch of CASE, what `sanitize` runs under each tool
 
 `suite` runs `pytest -m gpu` (spread over `--workers` processes with pytest-xdist where it is installed), then runs the
@@ -36,8 +37,23 @@ def gemm_cases() -> dict:
 ACTIVATION_CASES = {f"activation {fmt}": fmt for fmt in ("int4", "int4_pg", "int8")}   # int8: W4A8's activations
 
 
+def refused_cases() -> dict:
+    "Configs the library refuses because they failed on the GPU, launched past that guard only to locate the fault."
+    from w4a4_book import smem
+    return {f"refused v{v} int4 pair 64-row R={R}": (cfg(tile_m=64, cluster_n=2, lora_rank=R), R)
+            for v, cfg in ((1, smem.HopperV1Config), (2, smem.HopperV2Config)) for R in (0, 256)}
+
+
 def cases() -> list:
     return [*gemm_cases(), *ACTIVATION_CASES]
+
+
+def _unguarded(kernel_class):
+    "`kernel_class.requirements` without the guard against 64-row pairs (for `refused_cases` only)."
+    import dataclasses
+    from w4a4_book.kernels.sm90_parts import Int4GemmBase
+    plain = Int4GemmBase.requirements.__func__
+    kernel_class.requirements = classmethod(lambda cls, cfg: plain(cls, dataclasses.replace(cfg, tile_m=128)))
 
 
 def launch(case: str) -> None:
@@ -54,7 +70,8 @@ def launch(case: str) -> None:
         _, lora_act = gemm.quantize_lora_down(x, smooth, down, fmt=ACTIVATION_CASES[case])
         out = lora_act
     else:
-        config, R = gemm_cases()[case]
+        config, R = {**gemm_cases(), **refused_cases()}[case]
+        if case in refused_cases(): _unguarded(gemm.spec_for(config).kernel_class())
         w = workloads.make_workload(M, N, K, R, fmt=gemm.spec_for(config).fmt)
         out = gemm.gemm_w4a4(*w.operands, out_dtype=w.out_dtype, config=config)
     torch.cuda.synchronize()
@@ -100,6 +117,17 @@ def run_sanitize(workers: int) -> list:
     for r in rows:
         print(f"{r['tool']:>9} {r['case']:<22} errors={r['errors']} rc={r['returncode']} {r['seconds']} s", flush=True)
     return rows + [dict(case=c, tool="none", returncode=warm[c][0], report=bad[c].splitlines()[-12:]) for c in bad]
+
+
+def run_diagnose() -> list:
+    "Each refused config launched once without a tool and once under memcheck: where its fault is."
+    rows = []
+    for c in refused_cases():
+        rc, text, secs = _run([sys.executable, __file__, "launch", c])
+        rows.append(dict(case=c, tool="none", returncode=rc, seconds=round(secs, 1), report=text.splitlines()[-8:]))
+        rows.append(sanitize_case(c, "memcheck"))
+        print(c, [(r["tool"], r["returncode"], r.get("errors")) for r in rows[-2:]], flush=True)
+    return rows
 
 
 def parse_junit(path: Path) -> dict:
@@ -152,7 +180,8 @@ def main(argv=None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--out", type=Path, required=True)
         p.add_argument("--workers", type=int, default=8 if name == "suite" else 6)
-    sub.add_parser("launch").add_argument("case", choices=cases())
+    sub.add_parser("diagnose").add_argument("--out", type=Path, required=True)
+    sub.add_parser("launch").add_argument("case", choices=[*cases(), *refused_cases()])
     p = sub.add_parser("records")
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--only", nargs="+", choices=list(RECORDS), default=list(RECORDS))
@@ -168,10 +197,13 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="gpu_suite-") as d:     # two suites at once never share a report
             rows = run_suite(a.workers, Path(d) / "gpu_suite.xml")
         shapes = [["pytest -m gpu"]]
+    elif a.what == "diagnose":
+        rows, shapes = run_diagnose(), [list(SHAPE)]
     else:
         rows = run_sanitize(a.workers)
         shapes = [list(SHAPE)]
-    command = f"python tools/gpu_checks.py {a.what} --out nbs/data/{a.out.name} --workers {a.workers}"
+    workers = f" --workers {a.workers}" if a.what != "diagnose" else ""
+    command = f"python tools/gpu_checks.py {a.what} --out nbs/data/{a.out.name}{workers}"
     print(f"saved {save_record(a.out, provenance(command, shapes, kind=f'gpu_{a.what}'), rows)}")
     return 0
 
