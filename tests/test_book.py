@@ -1,10 +1,13 @@
 "The book: one config at the root, the sidebar in reading order, and a full render in which every written chapter appears."
+import ast
 import contextlib
 import html
 import io
+import itertools
 import json
 import re
 import subprocess
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -162,3 +165,172 @@ def test_book_css_is_linked(book):
     assert "overflow-x: auto" in css and "white-space: pre" in css
     for page in dest.glob("*.html"):
         assert 'rel="stylesheet" href="book.css"' in page.read_text(), page.name
+
+
+# A GPU cell's directive names where its result is, and the build shows that in place of the output it cannot make.
+GPU_LINE = re.compile(r"^#\|\s*gpu\b(.*)$", re.M)
+
+
+def gpu_cells():
+    "Every `#| gpu` cell of the book: (notebook, cell id, what follows `gpu` on its line)."
+    out = []
+    for f in sorted(NBS.glob("*.ipynb")):
+        for c in json.loads(f.read_text())["cells"]:
+            lines = "".join(c["source"]).splitlines()
+            head = "\n".join(itertools.takewhile(lambda l: l.startswith("#|") or not l.strip(), lines))  # directives
+            m = c["cell_type"] == "code" and GPU_LINE.search(head)
+            if m:
+                out.append((f.name, c.get("id"), m.group(1).strip()))
+    return out
+
+
+def test_gpu_cells_name_their_record_or_test():
+    "Each GPU cell names records that `nbs/data/` holds, or says `check` with a test of `tests/` that exists."
+    from w4a4_book.cli import gpu_directive
+    cells = gpu_cells()
+    assert len(cells) >= 14
+    for nb, cid, text in cells:
+        g = gpu_directive(text)
+        assert g.records or g.test, f"{nb} cell {cid}: `#| gpu` names no record and says no `check`"
+        for r in g.records:
+            assert (NBS/"data"/r).is_file(), f"{nb} cell {cid} names {r}, which nbs/data/ does not hold"
+        if g.test:
+            path, name = g.test.split("::")
+            assert re.search(rf"^def {re.escape(name.split('[')[0])}\(", (ROOT/path).read_text(), re.M), \
+                f"{nb} cell {cid}: {g.test} is not a test"
+            assert g.checks.startswith("that "), f"{nb} cell {cid}: say what it checks, 'that ...'"
+
+
+def test_nbdev_test_skips_gpu_cells_with_arguments(tmp_path, monkeypatch):
+    "`nbdev_test` skips a `#| gpu` cell by the directive's name, whatever follows it."
+    from nbdev.test import test_nb
+    monkeypatch.delenv("IN_TEST", raising=False)           # test_nb sets it; put it back as it was
+    nb = {"cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
+                    for src in ("x = 1", "#| gpu lora_bug_h200.json\nraise RuntimeError('ran')",
+                                "#| gpu check tests/test_kernels.py::test_matches_reference that it ran\n1 / 0")],
+          "metadata": {"kernelspec": {"language": "python", "name": "python3", "display_name": "python3"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    f = tmp_path/"gpu.ipynb"
+    f.write_text(json.dumps(nb))
+    assert test_nb(f, skip_flags=["gpu"], showerr=False)[0] is True
+    assert test_nb(f, skip_flags=[], showerr=False)[0] is False       # the cells do fail when they run
+
+
+# What a cell's source displays: an output the page must show. A bare last expression displays its value (unless the
+# line ends in `;`), except a call to one of these, which return None; so does a top-level print, display or plot.
+SHOWS = {"print", "display", "Markdown", "HTML", "show_doc", "show", "imshow", "plot", "bar", "subplots"}
+QUIET = re.compile(r"_?test_\w+|check_\w+|assert\w*|close|savefig|seed|manual_seed_all|sleep|append|extend|update|sort|clear"
+                   r"|unlink|mkdir|rmtree|write_text|set_\w+|tight_layout|setattr|exec|register\w*")
+
+
+def _name(f) -> str:
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def _top_level(body):
+    "The nodes of `body`, without what functions, classes and lambdas define."
+    todo = list(body)
+    while todo:
+        n = todo.pop()
+        yield n
+        if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(n))
+
+
+def displays(src: str) -> bool:
+    "Whether a cell with code `src` shows something: a table, a plot, a print, a last expression's value."
+    code = "\n".join(l for l in src.splitlines() if not l.lstrip().startswith(("#|", "%", "!")))
+    try:
+        body = ast.parse(code).body
+    except SyntaxError:
+        return False
+    if any(isinstance(n, ast.Call) and _name(n.func) in SHOWS for n in _top_level(body)):
+        return True
+    last = body[-1] if body else None
+    if not isinstance(last, ast.Expr) or code.rstrip().endswith(";"):
+        return False
+    return not (isinstance(last.value, ast.Call) and QUIET.fullmatch(_name(last.value.func) or ""))
+
+
+class PageCells(HTMLParser):
+    "The code cells of a smalldocs page: for each `<div class=\"cell\" id=...>`, whether an output in it shows anything."
+    def __init__(self):
+        super().__init__()
+        self.stack, self.cells, self.out = [], {}, 0
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        cls = (a.get("class") or "").split()
+        cell = next((c for c in reversed(self.stack) if c and c[0] == "cell"), None)
+        if tag == "div":
+            if "cell" in cls and a.get("id"):
+                self.cells[a["id"]] = False
+                self.stack.append(("cell", a["id"]))
+            elif "cell-output" in cls and cell:
+                self.stack.append(("output", cell[1]))
+            else:
+                self.stack.append(None)
+        if tag in ("img", "svg", "table") and any(c and c[0] == "output" for c in self.stack):
+            self.cells[next(c for c in reversed(self.stack) if c and c[0] == "output")[1]] = True
+
+    def handle_endtag(self, tag):
+        if tag == "div" and self.stack:
+            self.stack.pop()
+
+    def handle_data(self, data):
+        out = next((c for c in reversed(self.stack) if c and c[0] == "output"), None)
+        if out and data.strip():
+            self.cells[out[1]] = True
+
+
+def _hidden_output(src: str) -> bool:
+    "Whether the cell's options keep its output off the page."
+    return re.search(r"^#\|\s*(output|include):\s*false", src, re.M) is not None
+
+
+def test_displaying_cells_show_their_output(book):
+    """A code cell whose source shows something (a table, a plot, a print, a last expression) has outputs in `_proc/`
+    and an output that shows something on its page; a GPU cell shows its note."""
+    dest, proc, _ = book
+    blank = []
+    for nb_path in sorted(proc.glob("*.ipynb")):
+        cells = json.loads(nb_path.read_text())["cells"]
+        parser = PageCells()
+        parser.feed((dest/nb_path.with_suffix(".html").name).read_text(encoding="utf-8"))
+        for i, c in enumerate(cells):
+            src = "".join(c["source"])
+            if c["cell_type"] != "code" or not displays(src) or _hidden_output(src):
+                continue
+            if not c.get("outputs") or not parser.cells.get(f"cell-{i}"):
+                blank.append(f"{nb_path.name} cell-{i}: {src.strip().splitlines()[-1][:80]}")
+    assert not blank, "cells that display something but show nothing:\n" + "\n".join(blank)
+    for nb, _, _ in gpu_cells():
+        notes = (dest/Path(nb).with_suffix(".html").name).read_text(encoding="utf-8").count("gpu-note")
+        assert notes == sum(n == nb for n, _, _ in gpu_cells()), f"{nb}: {notes} GPU notes"
+
+
+def test_gpu_notes_say_where_the_result_is(book):
+    "A note names the record, and where the book shows it, or the test that runs the cell's check."
+    dest, _, _ = book
+    def notes(page):
+        text = (dest/page).read_text(encoding="utf-8")
+        return [re.sub(r"<[^>]+>", "", m) for m in re.findall(r'gpu-note".*?callout-body">(.*?)</div>', text, re.S)]
+    assert any("lora_bug_h200.json (shown below)" in n for n in notes("07_lora_bug.html"))
+    assert any("tests/test_kernels.py::test_matches_reference runs the same check" in n for n in notes("04_v1.html"))
+    text = (dest/"07_lora_bug.html").read_text(encoding="utf-8")
+    assert text.count('callout-title-container flex-fill">Needs a GPU</div>') == len(notes("07_lora_bug.html")) == 2
+
+
+def test_images_exist(book):
+    "Every picture a page links, `<img src=...>` in its HTML or `![...](...)` in its notebook's Markdown, exists."
+    dest, proc, _ = book
+    for page in dest.glob("*.html"):
+        for src in re.findall(r'<img\b[^>]*\bsrc="([^"]+)"', page.read_text(encoding="utf-8")):
+            if not src.startswith(("data:", "http://", "https://")):
+                assert (page.parent/html.unescape(src).split("#")[0]).is_file(), f"{page.name} links {src}, missing"
+    for nb_path in proc.glob("*.ipynb"):
+        for c in json.loads(nb_path.read_text())["cells"]:
+            if c["cell_type"] == "markdown":
+                for src in re.findall(r"!\[[^\]]*\]\(([^)\s]+)", "".join(c["source"])):
+                    if not src.startswith(("data:", "http://", "https://", "attachment:")):
+                        assert (nb_path.parent/src).is_file(), f"{nb_path.name} links {src}, missing"

@@ -64,6 +64,8 @@ CLI_CASES = [
     (["render", "--dest", FOLDER_UNWRITABLE], "--dest: cannot write in /proc"),
     (lambda t: ["render", "--dest", _a_file(t)], "--dest: "),
     (["render", "--engine", "pandoc"], "argument --engine: invalid choice"),
+    (["render", "--workers", "0"], "argument --workers: 0 is not a positive int"),
+    (["render", "--workers", "two"], "argument --workers: 'two' is not an int"),
     # serve
     (["serve", "--port", "-1"], "argument --port: -1 is not a port"),
     (["serve", "--port", "99999"], "argument --port: 99999 is not a port"),
@@ -320,3 +322,14 @@ def test_api_error_names_the_argument(call, kind, starts):
         call()
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(starts), msg
+
+
+def test_render_names_a_failing_cell(monkeypatch):
+    "A cell that fails while the book is built: exit code 1 and its notebook, place, code and error on stderr."
+    def fail(**kwargs):
+        raise cli.CellError("nbs/99_demo.ipynb: cell 3 (id c3) failed while building the book:\n1 / 0\nZeroDivisionError")
+    monkeypatch.setattr(cli, "render_book", fail)
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    code, out, err = run_cli("render", "--dest", "_docs")
+    assert code == 1 and out == ""
+    assert err.startswith("w4a4-book render: error: nbs/99_demo.ipynb: cell 3 (id c3) failed while building the book")

@@ -12,6 +12,7 @@ import functools
 import html
 import importlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -25,10 +26,12 @@ from tqdm import tqdm
 
 # %% auto #0
 __all__ = ['COMMANDS', 'TRACEBACK_VAR', 'PAGE_SUFFIXES', 'BOOK_CSS', 'ENGINES', 'Command', 'OneLineParser', 'parser', 'main',
-           'sidebar_files', 'drop_missing', 'rm_default_exp', 'to_run', 'exec_defs', 'order_show_docs',
-           'drop_output_file', 'localize_links', 'book_procs', 'process_notebook', 'process_notebooks', 'build_site',
+           'sidebar_files', 'drop_missing', 'rm_default_exp', 'to_run', 'CellError', 'exec_cells', 'GpuCell',
+           'gpu_directive', 'reads_record', 'record_readers', 'note_gpu_cells', 'order_show_docs', 'drop_output_file',
+           'localize_links', 'book_procs', 'process_notebook', 'check_workers', 'process_notebooks', 'build_site',
            'build_quarto', 'offline_math', 'make_offline', 'with_book_css', 'check_render', 'render_book',
-           'render_arguments', 'render_command', 'book_server', 'port_number', 'serve_arguments', 'serve_command']
+           'render_arguments', 'worker_count', 'render_command', 'book_server', 'port_number', 'serve_arguments',
+           'serve_command']
 
 # %% ../nbs/23_cli.ipynb #d25a0d69
 @dataclass(frozen=True)
@@ -152,29 +155,64 @@ def rm_default_exp(cell):
         del cell["source"]
 
 # %% ../nbs/23_cli.ipynb #8b7a3178
-_RUN_WHOLE = {"export", "exports", "exporti", "exec_doc"}
+def to_run(cell) -> bool:
+    "Whether the build runs `cell`: any code cell but a `#| gpu` cell, an `eval: false` one, one calling nbdev_export."
+    if cell.cell_type != "code" or "gpu" in cell.directives_:
+        return False
+    if cell.directives_.get("eval:", [""])[0].lower() == "false":
+        return False
+    return "nbdev_export" not in (_called(t) for t in cell.parsed_() or [])
 
 def _called(tree) -> str | None:
     "The name a top-level statement calls, as in `f(...)` or `m.f(...)`, else None."
     f = tree.value.func if isinstance(tree, ast.Expr) and isinstance(tree.value, ast.Call) else None
     return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
 
-def to_run(cell) -> tuple[bool, str]:
-    "What the docs build runs of `cell`: `(True, source)` whole, keeping outputs; `(False, imports)`; or `(False, '')`."
-    if cell.cell_type != "code" or "gpu" in cell.directives_ or cell.directives_.get("eval:", [""])[0].lower() == "false":
-        return False, ""
-    trees = cell.parsed_() or []
-    calls = [_called(t) for t in trees]
-    if "nbdev_export" in calls:
-        return False, ""
-    imports = [t for t in trees if isinstance(t, (ast.Import, ast.ImportFrom))]
-    if cell.directives_.keys() & _RUN_WHOLE or "show_doc" in calls or (trees and len(imports) == len(trees)):
-        return True, cell.source
-    return False, "\n".join(ast.get_source_segment(cell.source, t) for t in imports)
-
 # %% ../nbs/23_cli.ipynb #999492f8
-class exec_defs:
-    "Run what `show_doc` needs, as `to_run` says, in one shell per notebook; replaces nbdev's `exec_show_docs`."
+class CellError(RuntimeError):
+    "A cell that failed while the book was built; the message names the notebook and the cell, with the error."
+
+def _cell_name(cell) -> str:
+    "How an error names `cell`: its place in the notebook as saved (from 0) and its id, or the code nbdev added."
+    n = cell.get("n_")
+    return f"cell {n} (id {cell.get('id', '?')})" if n is not None else f"the cell nbdev added, {cell.source!r}"
+
+@contextlib.contextmanager
+def _display_marks(marks: list):
+    "Append to `marks`, at each display a cell makes, how much it has printed so far."
+    from IPython.core.displaypub import CapturingDisplayPublisher
+    publish = CapturingDisplayPublisher.publish
+    def marked(self, *args, **kwargs):
+        marks.append(len(sys.stdout.getvalue()) if hasattr(sys.stdout, "getvalue") else -1)
+        return publish(self, *args, **kwargs)
+    CapturingDisplayPublisher.publish = marked
+    try:
+        yield marks
+    finally:
+        CapturingDisplayPublisher.publish = publish
+
+def _in_order(outputs: list, marks: list) -> list:
+    """`outputs` as the cell made them: execnb gives all it printed, then all it displayed; the printed text is cut
+    where each display came (`marks`), as Jupyter shows it. Unchanged if the marks do not fit."""
+    outs = list(outputs)
+    printed = next((o for o in outs if o.get("output_type") == "stream" and o.get("name") == "stdout"), None)
+    shown = [o for o in outs if o.get("output_type") == "display_data"]
+    if printed is None or not shown or len(shown) != len(marks):
+        return outs
+    text = "".join(printed["text"])
+    cuts = [0, *marks, len(text)]
+    if cuts != sorted(cuts):
+        return outs
+    ordered = []
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        if text[a:b]:
+            ordered.append(type(printed)({**printed, "text": text[a:b].splitlines(True)}))
+        if i < len(shown):
+            ordered.append(shown[i])
+    return ordered + [o for o in outs if o is not printed and all(o is not s for s in shown)]
+
+class exec_cells:
+    "Run every cell that `to_run` allows, in order, in one shell per notebook; a cell's outputs become the fresh ones."
     def __init__(self, nb):
         self.nb = nb
 
@@ -184,13 +222,124 @@ class exec_defs:
         self.k.run_cell("from nbdev.showdoc import show_doc")
 
     def __call__(self, cell):
-        whole, src = to_run(cell)
-        if not getattr(self.nb, "has_docs_", False) or not src:
+        if not to_run(cell):
             return
-        self.k.cell(cell) if whole else self.k.run_cell(src)
+        cell.outputs = []                  # stored outputs go: what the page shows is what this build computed
+        with _display_marks([]) as marks:
+            self.k.cell(cell)
+        cell.outputs = _in_order(cell.outputs, marks)
         if self.k.exc:
-            raise RuntimeError(f"{getattr(self.nb, 'path_', 'a notebook')}: cell {cell.idx_} failed while "
-                               f"building the docs:\n{cell.source}") from self.k.exc
+            import traceback
+            tb = "".join(traceback.format_exception(self.k.exc)[-6:]).rstrip()
+            raise CellError(f"{getattr(self.nb, 'path_', 'a notebook')}: {_cell_name(cell)} failed while building "
+                            f"the book:\n{cell.source}\n{tb}")
+
+# %% ../nbs/23_cli.ipynb #9a1e0c02
+@dataclass(frozen=True)
+class GpuCell:
+    "What a `#| gpu` line says of its cell: the records that hold what it measures, or the test that runs its check."
+    records: tuple[str, ...] = ()   # file names in nbs/data/
+    test: str = ""                  # a `check`: the pytest node that runs the same check on a GPU
+    checks: str = ""                # a `check`: what the cell checks, in words ("that ...")
+
+def gpu_directive(text: str) -> GpuCell:
+    """Read what follows `gpu` in a cell's `#| gpu` line: record names (`lora_bug_h200.json ...`), or `check TEST
+    WHAT`, the pytest node that runs the same check and what the cell checks, in words; nothing names nothing."""
+    words = text.split()
+    if words[:1] == ["check"]:
+        if len(words) < 3 or "::" not in words[1]:
+            raise ValueError(f"gpu: `check` takes the pytest node that runs the check (tests/test_x.py::test_y) "
+                             f"and what the cell checks, in words; got {text!r}")
+        return GpuCell(test=words[1], checks=" ".join(words[2:]))
+    bad = [w for w in words if not w.endswith((".json", ".csv"))]
+    if bad:
+        raise ValueError(f"gpu: {bad[0]!r} is neither a record of nbs/data/ (.json, .csv) nor `check`")
+    return GpuCell(records=tuple(words))
+
+def _gpu_text(cell) -> str:
+    "What follows `gpu` in `cell`'s directive, as written: nbdev splits arguments at spaces and after each colon."
+    return " ".join(cell.directives_.get("gpu", [])).replace(": ", ":")
+
+# %% ../nbs/23_cli.ipynb #9a1e0c05
+def _title(nb: dict) -> str:
+    "A notebook's title: its first Markdown heading, without backticks."
+    src = next(("".join(c["source"]) for c in nb.get("cells", []) if c.get("cell_type") == "markdown"), "")
+    m = re.match(r"\s*#\s+(.+)", src)
+    return m.group(1).replace("`", "").strip() if m else ""
+
+_RECORD_NAME = re.compile(r"[\w.-]+\.(?:json|csv)\b")
+_RECORD_KIND = re.compile(r"(?:list_records|load_rows)\(\s*[\"']([\w-]+)[\"']")
+
+def _record_refs(code: str) -> tuple[set, set]:
+    "The record names, and the kinds it lists (`list_records(\"lora_bug\")`, `load_rows`), in `code` but `#|` lines."
+    code = re.sub(r"(?m)^\s*#\|.*$", "", code)
+    return set(_RECORD_NAME.findall(code)), set(_RECORD_KIND.findall(code))
+
+def reads_record(code: str, name: str) -> bool:
+    "Whether `code` reads the record `name`: names it, or lists the records of a kind it is of."
+    names, kinds = _record_refs(code)
+    return name in names or any(name.startswith(k) for k in kinds)
+
+@functools.lru_cache(maxsize=4)
+def record_readers(folder: str) -> dict[str, list[tuple[str, str]]]:
+    """Which notebooks of `folder` read each record of its `data/` in their code (`reads_record`): name ->
+    `[(notebook, its title), ...]`, in file order."""
+    names = sorted(p.name for p in (Path(folder)/"data").glob("*") if p.suffix in (".json", ".csv"))
+    found = {}
+    for f in sorted(Path(folder).glob("*.ipynb")):
+        nb = json.loads(f.read_text(encoding="utf-8"))
+        code = "\n".join("".join(c.get("source", "")) for c in nb.get("cells", []) if c.get("cell_type") == "code")
+        named, kinds = _record_refs(code)
+        for name in names:
+            if name in named or any(name.startswith(k) for k in kinds):
+                found.setdefault(name, []).append((f.name, _title(nb)))
+    return found
+
+class note_gpu_cells:
+    """Put a note first in a `#| gpu` cell's outputs: the build did not run it, and what its directive names, the
+    record that holds what it measures (and where the book shows it) or the test that runs its check. Any output
+    stored with the cell stays below the note, labelled as recorded."""
+    def __init__(self, nb):
+        self.nb = nb
+
+    def begin(self):
+        self.path = Path(getattr(self.nb, "path_", "notebook.ipynb"))
+        self.code = [(i, c.source) for i, c in enumerate(self.nb.cells)    # this notebook's code, but GPU cells
+                     if c.cell_type == "code" and "gpu" not in getattr(c, "directives_", {})]
+
+    def shown(self, name: str, i: int) -> str:
+        "Where the book shows the record `name`, said from the cell at position `i`; empty if no code reads it."
+        here = [j for j, code in self.code if reads_record(code, name)]
+        if here:
+            return " (shown below)" if max(here) > i else " (shown above)"
+        readers = record_readers(str(self.path.parent.resolve())).get(name, [])
+        other = [(f, t) for f, t in readers if f != self.path.name]
+        return f" (shown in [{other[0][1] or other[0][0]}]({other[0][0]}))" if other else ""
+
+    def __call__(self, cell):
+        if cell.cell_type != "code" or "gpu" not in cell.directives_:
+            return
+        try:
+            g = gpu_directive(_gpu_text(cell))
+        except ValueError as e:
+            raise CellError(f"{self.path}: {_cell_name(cell)}: {e}") from None
+        missing = [r for r in g.records if not (self.path.parent/"data"/r).is_file()]
+        if missing:
+            raise CellError(f"{self.path}: {_cell_name(cell)} names {missing[0]} in its `#| gpu` line, and "
+                            f"{self.path.parent/'data'} has no such record")
+        if g.records:
+            said = [f"`{r}`{self.shown(r, cell.idx_)}" for r in g.records]
+            what = f"What it measures is recorded in `nbs/data/`: {', '.join(said[:-1])}" + \
+                   f"{' and ' if len(said) > 1 else ''}{said[-1]}."
+        elif g.test:
+            what = f"It checks {g.checks}, and records nothing; `{g.test}` runs the same check (`pytest -m gpu`)."
+        else:
+            what = "No record holds what it computes."
+        stored = list(cell.get("outputs", []))
+        label = " The output below it is the one stored when it last ran on a GPU." if stored else ""
+        note = (f'::: {{.callout-note .gpu-note title="Needs a GPU"}}\nThis cell needs a CUDA GPU, so the build of '
+                f"this page did not run it. {what}{label}\n:::")
+        cell.outputs = [{"output_type": "display_data", "metadata": {}, "data": {"text/markdown": note}}, *stored]
 
 # %% ../nbs/23_cli.ipynb #068fdff9
 class order_show_docs:
@@ -252,7 +401,8 @@ class localize_links:
 def book_procs() -> list:
     "nbdev's docs processors, as `settings.ini` sets them, with this book's changes swapped in."
     from nbdev.processors import FilterDefaults, add_show_docs, exec_show_docs, rm_export
-    swap = {rm_export: [rm_default_exp], exec_show_docs: [exec_defs], add_show_docs: [add_show_docs, order_show_docs]}
+    swap = {rm_export: [rm_default_exp], exec_show_docs: [exec_cells, note_gpu_cells],
+            add_show_docs: [add_show_docs, order_show_docs]}
     class BookProcs(FilterDefaults):
         def base_procs(self):
             return [q for p in super().base_procs() for q in swap.get(p, [p])] + [drop_output_file, localize_links]
@@ -261,32 +411,73 @@ def book_procs() -> list:
 def process_notebook(nb, procs: list):
     "Run `procs` on the notebook `nb` (as `execnb.nbio.read_nb` returns it), in place; return it."
     from nbdev.process import NBProcessor
+    for i, c in enumerate(nb.cells):
+        c["n_"] = i                    # its place as saved, for errors; nbdev writes no key that ends in `_`
     NBProcessor(nb=nb, procs=procs).process()
     return nb
 
 # %% ../nbs/23_cli.ipynb #7d457a5f
-def process_notebooks(nbs: Path | str, proc: Path | str, quiet: bool = False) -> list[Path]:
-    "Fill an empty `proc` with the files of `nbs`, notebooks processed for the docs; return the processed notebooks."
+def _process_file(src: str, dest: str) -> str:
+    "Process the notebook `src` for the docs, in its folder, and write it to `dest`; `process_notebooks`' unit of work."
     from execnb.nbio import read_nb, write_nb
     from fastcore.xtras import working_directory
+    nb = read_nb(src)
+    with working_directory(Path(src).parent):
+        process_notebook(nb, book_procs())
+    write_nb(nb, dest)
+    return dest
+
+def _share_cores(threads: int) -> None:
+    "A worker's start: `threads` threads for torch's CPU kernels, its share of the cores, unless OMP_NUM_THREADS says."
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+def check_workers(workers) -> int:
+    "`workers`, checked: a positive int, or None for one per CPU core."
+    if workers is None:
+        return os.cpu_count() or 1
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers: must be a positive int (or None: one per CPU core), got {workers!r}")
+    return workers
+
+def process_notebooks(nbs: Path | str, proc: Path | str, quiet: bool = False, workers: int | None = None) -> list[Path]:
+    """Fill an empty `proc` with the files of `nbs`, notebooks processed for the docs by `workers` processes (default
+    one per CPU core), each notebook in a shell of its own; return the processed notebooks. A cell that fails stops
+    the build with a `CellError` naming it."""
+    workers = check_workers(workers)
     nbs, proc = Path(nbs).resolve(), Path(proc)
     if proc.exists():
         shutil.rmtree(proc)
     files = sorted(p for p in nbs.rglob("*") if p.is_file()
                    and not any(part.startswith(("_", ".")) for part in p.relative_to(nbs).parts))
-    procs, done = book_procs(), []
-    for p in tqdm(files, desc="process", unit="file", disable=quiet, file=sys.stderr):
+    jobs = []
+    for p in files:
         dest = proc/p.relative_to(nbs)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        if p.suffix != ".ipynb":
+        if p.suffix == ".ipynb":
+            jobs.append((str(p), str(dest)))
+        else:
             shutil.copy2(p, dest)
-            continue
-        nb = read_nb(p)
-        with working_directory(p.parent):
-            process_notebook(nb, procs)
-        write_nb(nb, dest)
-        done.append(dest)
-    return done
+    with tqdm(total=len(jobs), desc="process", unit="notebook", disable=quiet, file=sys.stderr) as bar:
+        if min(workers, len(jobs)) <= 1:
+            for job in jobs:
+                _process_file(*job)
+                bar.update(1)
+        else:      # fresh interpreters (forking a process that has run torch can hang the child), sharing the cores
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor, as_completed
+            n = min(workers, len(jobs))
+            with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_share_cores,
+                                     initargs=(max(1, (os.cpu_count() or 1) // n),)) as pool:
+                futures = [pool.submit(_process_file, *job) for job in jobs]
+                try:
+                    for f in as_completed(futures):
+                        f.result()
+                        bar.update(1)
+                except BaseException:
+                    for f in futures:
+                        f.cancel()
+                    raise
+    return [Path(dest) for _, dest in jobs]
 
 # %% ../nbs/23_cli.ipynb #73fbeaa7
 def build_site(proc: Path | str, quiet: bool = False) -> tuple[Path, list[str]]:
@@ -383,19 +574,20 @@ def check_render(root: Path | str = ".", dest: Path | str | None = None, engine:
     return cfg, dest
 
 def render_book(root: Path | str = ".", dest: Path | str | None = None, proc: Path | str | None = None,
-                engine: str = "smalldocs", quiet: bool = False) -> Path:
+                engine: str = "smalldocs", quiet: bool = False, workers: int | None = None) -> Path:
     """Build the book of the checkout at `root` into `dest` (default `doc_path`: `_docs/`), via `proc` (default
-    `_proc/`), after `check_render`."""
+    `_proc/`), after `check_render`; `workers` processes run the notebooks (default: one per CPU core)."""
     import yaml
     from fastcore.xtras import working_directory
     cfg, dest = check_render(root, dest, engine)
+    check_workers(workers)
     config_file = cfg.config_path/"_quarto.yml"
     proc = Path(proc) if proc is not None else cfg.config_path/"_proc"
     config, missing = drop_missing(yaml.safe_load(config_file.read_text()), cfg.nbs_path)
     for f in missing:
         print(f"render: {f} is in the sidebar but not written yet; left out", file=sys.stderr)
     with working_directory(cfg.config_path):
-        process_notebooks(cfg.nbs_path, proc, quiet=quiet)
+        process_notebooks(cfg.nbs_path, proc, quiet=quiet, workers=workers)
     (proc/"_quarto.yml").write_text(yaml.safe_dump(with_book_css(config), sort_keys=False, allow_unicode=True))
     if engine == "smalldocs":
         out, warnings = build_site(proc, quiet=quiet)
@@ -415,16 +607,32 @@ def render_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dest", type=Path, default=None, help="output folder (default: doc_path of settings.ini, _docs)")
     p.add_argument("--engine", choices=ENGINES, default="smalldocs",
                    help="smalldocs (default: offline, pure Python) or quarto (needs the quarto binary)")
+    p.add_argument("--workers", type=worker_count, default=None,
+                   help="processes that run the notebooks (default: one per CPU core)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
 
+def worker_count(text: str) -> int:
+    "`--workers`' type: a positive int, refused by argparse in one line otherwise."
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a positive int")
+    return n
+
 def render_command(args: argparse.Namespace) -> int:
-    "Run `w4a4-book render`: build the book and say where it went."
+    "Run `w4a4-book render`: build the book and say where it went; exit code 1, with the error, if a cell fails."
     missing = next((m for m in ("nbdev", "smalldocs", "latex2mathml") if importlib.util.find_spec(m) is None), None)
     if missing:                                  # the docs tools are dev extras
         print(f"render needs the dev extras ({missing} is missing): pip install -e '.[dev]'", file=sys.stderr)
         return 1
     check_render(".", args.dest, args.engine, names={"root": "working folder", "dest": "--dest", "engine": "--engine"})
-    dest = render_book(dest=args.dest, engine=args.engine, quiet=args.quiet)
+    try:
+        dest = render_book(dest=args.dest, engine=args.engine, quiet=args.quiet, workers=args.workers)
+    except CellError as e:                       # a cell that failed: its notebook, place, code and error
+        print(f"w4a4-book render: error: {e}", file=sys.stderr)
+        return 1
     print(f"render: wrote {os.path.relpath(dest)}")
     return 0
 
