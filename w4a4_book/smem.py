@@ -248,10 +248,12 @@ class HopperPgConfig:
                 f"cluster_n={self.cluster_n} R={self.lora_rank} lora_accounting={self.lora_accounting}"
                 + (f" lora_chunk={self.lora_chunk}" if self.lora_chunk is not None else ""))
 
+# %% ../nbs/06_budget.ipynb #83d61924
 def lora_chunk_of(cfg) -> int:
     "The rank columns one LoRA stage of `cfg` holds: `lora_chunk`, at most the rank; the whole rank when None."
     return min(cfg.lora_chunk or cfg.lora_rank, cfg.lora_rank)
 
+# %% ../nbs/06_budget.ipynb #04b01f2e
 def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
     "The exact-integer mainloop's SharedStorage, field by field in declaration order, at the given stage counts."
     S, L = stages["main"], stages["lora"]
@@ -411,6 +413,7 @@ def _check_hopper_pg(cfg):
         if cfg.lora_rank and cfg.lora_rank % lora_chunk_of(cfg):
             raise ValueError(f"lora_chunk={cfg.lora_chunk}: must divide lora_rank={cfg.lora_rank} (or exceed it)")
 
+# %% ../nbs/06_budget.ipynb #b9a6cd8c
 def _check_hopper_pg_v1(cfg):
     _check_hopper_pg(cfg)
     _choice(cfg, "epi_deferred", (False,), "only the register-decode kernel on whole tiles holds a tile's output")

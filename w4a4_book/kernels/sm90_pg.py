@@ -57,6 +57,7 @@ def decode_lookup() -> np.ndarray:
 
 DECODE_LOOKUP = decode_lookup()
 
+# %% ../../nbs/09_pg.ipynb #9f745482
 def _fragment_grids(device=None):
     "(row, k0) within a block of every packed word, in storage order ((wg·2 + i)·128 + t)·4 + e."
     wg, i, t, e = torch.meshgrid(*(torch.arange(n, device=device) for n in (2, 2, 128, 4)), indexing="ij")
@@ -142,6 +143,7 @@ def sk_arguments(slots: int) -> tuple:
     A = parts.ArgSpec
     return (A("sk_partials", cutlass.Int32, (slots * SK_WORDS if slots else 1,)), A("sk_flags", cutlass.Int32, (2 * slots if slots else 1,)))
 
+# %% ../../nbs/09_pg.ipynb #8f758268
 _prepacked: dict = {}      # id of the weights' code tensor → (a weak reference to it, its version, the u tensor's, packed)
 
 def _prepacked_weights(w):
@@ -286,6 +288,7 @@ def _setup(self: W4A4GemmPg, t: PgTensors):
     self.tx_main = (WORDS_W + WORDS_U) * 4 + self.bm * self.bk
     self.tx_lora = (self.bm + self.bn) * self.lora_chunk * self.lora_dtype.width // 8
 
+# %% ../../nbs/09_pg.ipynb #81562a9f
 @patch
 def _loads(self: W4A4GemmPg, t: PgTensors) -> PgLoads:
     "The TMA atoms: packed weights and u (one box per block), the activation tile and LoRA rows (multicast across a pair), the transposed output."
@@ -384,6 +387,7 @@ def kernel(self: W4A4GemmPg, loads: PgLoads, vecs: PgVectors, mmas: PgMmas, layo
         cute.arch.cluster_arrive()          # no CTA leaves while its peer may still multicast into it
         cute.arch.cluster_wait()
 
+# %% ../../nbs/09_pg.ipynb #39e03e83
 @patch
 @cute.jit
 def write_lookup(self: W4A4GemmPg, st, layouts: PgLayouts, tidx):
@@ -477,6 +481,7 @@ def load_lora(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, lora_pip
         lprod.advance()
     return lprod
 
+# %% ../../nbs/09_pg.ipynb #0d84efa3
 @patch
 @cute.jit
 def load(self: W4A4GemmPg, st, loads: PgLoads, layouts: PgLayouts, load_pipe, lora_pipe, cta: PgCta):
@@ -549,6 +554,7 @@ DECODE = {r: (s // 2, 2 * (s % 2) + h, half, 2 * (s // 2) + h)
 WORD_DECODE = {(i, e): (r_lo, r_hi, b) for r_lo, (i, e, half, b) in DECODE.items() if half == "lo"
                for r_hi, (i2, e2, half2, _) in DECODE.items() if (i2, e2, half2) == (i, e, "hi")}
 
+# %% ../../nbs/09_pg.ipynb #0cd11f0f
 @kernel_bundle
 class PgDecodeViews(NamedTuple):
     "One MMA thread's shared-memory views for the decode: its packed words `(4, 2, STAGE)`, its u word `(STAGE,)`, the lookup tables."
@@ -794,6 +800,7 @@ def epilogue(self: W4A4GemmPg, st, loads: PgLoads, vecs: PgVectors, mmas: PgMmas
             self.write_sub(views, out, t, wgi, e)              # each sub-tile stored as soon as it is finished
     return lcons
 
+# %% ../../nbs/09_pg.ipynb #0f5cf446
 @kernel_bundle
 class StoreViews(NamedTuple):
     "One tile's output path: the `stmatrix` copy, its shared-memory ring `(R2S, R2S_M, R2S_N, 2·E)` and register layout, the TMA store, its views of the ring and of the tile's sub-tiles in C, their order."
@@ -838,6 +845,7 @@ def finish(self: W4A4GemmPg, reads, views: StoreViews, accf, tCcC, out, e):
         rD[v] = x
     cute.make_tensor(out[(None, e)].iterator, views.rD).store(rD.load().to(self.c_dtype))
 
+# %% ../../nbs/09_pg.ipynb #cb4197c8
 @patch
 @cute.jit
 def write_sub(self: W4A4GemmPg, views: StoreViews, out, t, wgi, e):
@@ -872,7 +880,6 @@ def write_held(self: W4A4GemmPg, st, loads: PgLoads, mma, layouts: PgLayouts, he
         views = self.store_views(st, loads, mma, layouts, t, wgi, m, n)
         for e in cutlass.range_constexpr(cute.size(held, mode=[1])):
             self.write_sub(views, held, t, wgi, e)
-
 
 # %% ../../nbs/13c_pg_variants.ipynb #b6a6cc87
 SMEM_ROLES = WarpRoles(load_warp=0, decode_warps=(4, 5, 6, 7), mma_warps=tuple(range(8, 16)), load_regs=24,

@@ -52,6 +52,7 @@ class V1Tile(NamedTuple):
     sSA: object; sSW: object                        # (BM, GROUPS, STAGE), (BN, GROUPS, STAGE)
     k_tiles: object
 
+# %% ../../nbs/04_v1.ipynb #38429ccc
 @patch
 @cute.kernel
 def kernel(self: W4A4GemmV1, loads: parts.GemmLoads, mWcs, mBias, mmas: parts.Mmas, layouts: parts.Int4Layouts):
@@ -185,6 +186,7 @@ def mainloop(self: W4A4GemmV1, st, mma_i8, tile: V1Tile, layouts, warp_idx, tidx
             self.load(main_pipe, prod, mask, copies)
             prod.advance()
 
+# %% ../../nbs/04_v1.ipynb #dcdc14c7
 @patch
 @cute.jit
 def load(self: W4A4GemmV1, main_pipe, prod, mask, copies):

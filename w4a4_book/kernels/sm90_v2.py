@@ -247,14 +247,12 @@ def decode(self: W4A4GemmV2, st, layouts: parts.Int4Layouts, pipes: V2Pipes, dti
         cons.advance()
         dprod.advance()
 
-# %% ../../nbs/05_v2.ipynb #4aa0ab90
+# %% ../../nbs/05_v2.ipynb #2acbb7e9
 @patch
 @cute.jit
-def mma(self: W4A4GemmV2, st, loads: parts.GemmLoads, mWcs, mBias, mmas: parts.Mmas, layouts: parts.Int4Layouts,
-        pipes: V2Pipes, mtid, is_store_warp, cta: V2Cta):
-    "Warps 8–15: per K-block two groups of INT8 wgmma + promotion, LoRA steps in between, then the epilogue."
-    bm, bn, bk, R, G = self.bm, self.bn, self.bk, self.lora_rank, self.group
-    dec_pipe, lora_pipe, mma_i8, mma_lora = pipes.dec, pipes.lora, mmas.main, mmas.lora
+def mma_views(self: W4A4GemmV2, st, mma_i8, layouts: parts.Int4Layouts, mtid):
+    "The MMA warps' views: decoded A and B as wgmma fragments, the decoded scales, the output tile and its coordinates."
+    bm, bn = self.bm, self.bn
     sA8 = st.a_decoded.get_tensor(layouts.a_decoded.outer, swizzle=layouts.a_decoded.inner)   # (BM, BK, D)
     sB8 = st.b_decoded.get_tensor(layouts.b_decoded.outer, swizzle=layouts.b_decoded.inner)   # (BN, BK, D)
     sSAd, sSWd = st.a_scales_dec.get_tensor(layouts.a_scales_dec), st.b_scales_dec.get_tensor(layouts.b_scales_dec)
@@ -264,16 +262,34 @@ def mma(self: W4A4GemmV2, st, loads: parts.GemmLoads, mWcs, mBias, mmas: parts.M
     tCrB8 = mma_i8.make_fragment_B(thr.partition_B(sB8))    # (MMA, MMA_N, MMA_K, D)
     cC = cute.make_identity_tensor((bm, bn))
     tCcC = thr.partition_C(cC)                               # (MMA, MMA_M, MMA_N) → (m, n)
+    return tCrA8, tCrB8, tCcC, sSAd, sSWd, sC
+
+
+@patch
+@cute.jit
+def lora_views(self: W4A4GemmV2, st, mma_lora, layouts: parts.Int4Layouts, mtid):
+    "The LoRA MMA's fragments: `lora_act` as A, `lora_up` as B, over the LoRA stages."
+    thr_l = mma_lora.get_slice(mtid)
+    tLrA = mma_lora.make_fragment_A(thr_l.partition_A(st.lora_act.get_tensor(layouts.lora_act.outer, swizzle=layouts.lora_act.inner)))
+    tLrB = mma_lora.make_fragment_B(thr_l.partition_B(st.lora_up.get_tensor(layouts.lora_up.outer, swizzle=layouts.lora_up.inner)))
+    return tLrA, tLrB
+
+# %% ../../nbs/05_v2.ipynb #4aa0ab90
+@patch
+@cute.jit
+def mma(self: W4A4GemmV2, st, loads: parts.GemmLoads, mWcs, mBias, mmas: parts.Mmas, layouts: parts.Int4Layouts,
+        pipes: V2Pipes, mtid, is_store_warp, cta: V2Cta):
+    "Warps 8–15: per K-block two groups of INT8 wgmma + promotion, LoRA steps in between, then the epilogue."
+    bm, bn, bk, R, G = self.bm, self.bn, self.bk, self.lora_rank, self.group
+    dec_pipe, lora_pipe, mma_i8, mma_lora = pipes.dec, pipes.lora, mmas.main, mmas.lora
+    tCrA8, tCrB8, tCcC, sSAd, sSWd, sC = self.mma_views(st, mma_i8, layouts, mtid)
     acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
-    # one INT32 partial per scale group of a K-block: group 1's wgmma runs while group 0 is promoted
     biased = self.promotion == "biased"
     partials = [cute.make_rmem_tensor(tCcC.shape, cutlass.Int32) for _ in range(bk // G)]
     steps = R // 16
     lcons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.lstages)
     if cutlass.const_expr(R > 0):
-        thr_l = mma_lora.get_slice(mtid)
-        tLrA = mma_lora.make_fragment_A(thr_l.partition_A(st.lora_act.get_tensor(layouts.lora_act.outer, swizzle=layouts.lora_act.inner)))
-        tLrB = mma_lora.make_fragment_B(thr_l.partition_B(st.lora_up.get_tensor(layouts.lora_up.outer, swizzle=layouts.lora_up.inner)))
+        tLrA, tLrB = self.lora_views(st, mma_lora, layouts, mtid)
     dcons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.dstages)
     k_tiles = self.k_tiles
     for i in cutlass.range(cta.my_tiles, unroll=1):
