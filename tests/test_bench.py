@@ -17,7 +17,7 @@ import torch
 from w4a4_book import gemm
 from w4a4_book.bench import layer as bench_layer
 from w4a4_book.bench import report, timing, workloads
-from w4a4_book.bench.report import (ACTIVATION_README_RECORD, LAYER_README_RECORDS, LORA_RECORD, PG_README_RECORDS, README_RECORDS, WAVES_RECORD, bench_table, check_floors, large_m, lora_line,
+from w4a4_book.bench.report import (ACTIVATION_README_RECORD, LAYER_README_RECORDS, LORA_RECORD, MOVES_RECORD, PG_README_RECORDS, README_RECORDS, WAVES_RECORD, bench_table, check_floors, large_m, lora_line,
                                     mfu_floors, plot_bench, ratio_table, readme_results, readme_table, record_line,
                                     speedups, standing)
 from w4a4_book.bench.timing import GPU_PEAKS, mfu, peak_for, rel_err, summarize_times, tflops, time_cuda
@@ -853,13 +853,14 @@ def test_lora_line():
 
 
 def test_readme_results_from_another_folder(tmp_path):
-    for name in README_RECORDS + PG_README_RECORDS + LAYER_README_RECORDS + (WAVES_RECORD, LORA_RECORD, ACTIVATION_README_RECORD):
+    extra = (WAVES_RECORD, LORA_RECORD, ACTIVATION_README_RECORD, MOVES_RECORD)
+    for name in README_RECORDS + PG_README_RECORDS + LAYER_README_RECORDS + extra:
         prov, rows = load_record(data_dir()/name)
         if name == README_RECORDS[0]:
             rows = [{**r, "tflops": 2 * r["tflops"]} if r["method"] == "w4a4_v2" and r["M"] == 8192 else r for r in rows]
         save_record(tmp_path/name, prov, rows)
     assert readme_results(tmp_path) != readme_results()
-    assert readme_results(tmp_path).count("Re-measure: `") == 5 + len(PG_README_RECORDS + LAYER_README_RECORDS)
+    assert readme_results(tmp_path).count("Re-measure: `") == len(README_RECORDS + PG_README_RECORDS + LAYER_README_RECORDS + extra)
 
 
 @pytest.mark.gpu
