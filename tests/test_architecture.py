@@ -101,6 +101,25 @@ def test_no_function_over_100_lines():
     assert not long, "\n".join(long)
 
 
+NBDEV_ALL_HEADER = "# %% auto #0"   # nbdev writes the module's `__all__` on the line below this one
+
+
+def test_package_lines_at_most_120():
+    """No line of `w4a4_book/**/*.py` is over 120 characters, but those nbdev writes itself: its index `_modidx.py`,
+    and the line `__all__ = [...` under `# %% auto #0`, which no notebook can shorten (nbdev wraps the list at 120
+    and then puts `__all__ = ` before it; where a second notebook exports into the module, it writes one line)."""
+    long = []
+    for p in sorted(PKG.rglob("*.py")):
+        if p.name == "_modidx.py":
+            continue
+        lines = p.read_text().splitlines()
+        for i, line in enumerate(lines):
+            nbdev_all = i > 0 and lines[i - 1] == NBDEV_ALL_HEADER and line.startswith("__all__ = [")
+            if len(line) > 120 and not nbdev_all:
+                long.append(f"{p.relative_to(PKG)}:{i + 1}: {len(line)} characters")
+    assert not long, f"{len(long)} lines over 120 characters:\n" + "\n".join(long)
+
+
 CONTEXT = r"\b(see|the \w+|as) (above|below)\b|\bthis chapter\b|\bthe last section\b|\bthe text\b"   # what help() cannot show
 
 

@@ -535,16 +535,20 @@ LORA_BUG_FORMATS = {"int4": LORA_BUG_CONFIGS[:1], "int4_pg": LORA_BUG_CONFIGS[1:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     "Options of `w4a4-book repro`."
     p.add_argument("experiment", choices=["lora-bug", "ladder"],
-                   help="lora-bug: the accounting experiment; ladder: the story's rungs, v1 to v2 fixed, on one format")
+                   help="lora-bug: the accounting experiment; "
+                        "ladder: the story's rungs, v1 to v2 fixed, on one format")
     p.add_argument("--moves", action="store_true",
-                   help="lora-bug on a GPU: measure the configurations where the bug moves the main K-loop from 4 stages "
-                        "to 2, as it did the original's, with every depth between (saved as lora_bug_<gpu>_moves.json)")
+                   help="lora-bug on a GPU: measure the configurations where the bug moves the main K-loop from 4 "
+                        "stages to 2, as it did the original's, with every depth between "
+                        "(saved as lora_bug_<gpu>_moves.json)")
     p.add_argument("--all", action="store_true",
-                   help="lora-bug without a GPU: also the long tables (the original's budget, every Hopper pair, every record)")
+                   help="lora-bug without a GPU: also the long tables "
+                        "(the original's budget, every Hopper pair, every record)")
     p.add_argument("--fmt", default="all", choices=list(LORA_BUG_FORMATS),
-                   help="which kernels: int4 (v2, the story's), int4_pg (the exact-integer v2, tiles 128 and 256) or all "
-                        "(default; the ladder takes int4 for all)")
-    p.add_argument("--ranks", nargs="+", type=int, default=list(LORA_BUG_RANKS), help="LoRA ranks (default: 32 64 128 256)")
+                   help="which kernels: int4 (v2, the story's), int4_pg (the exact-integer v2, tiles 128 and 256) "
+                        "or all (default; the ladder takes int4 for all)")
+    p.add_argument("--ranks", nargs="+", type=int, default=list(LORA_BUG_RANKS),
+                   help="LoRA ranks (default: 32 64 128 256)")
     p.add_argument("--iters", type=int, default=30, help="timed runs per kernel, median reported (default: 30)")
     p.add_argument("--out", default=None, help="JSON record to write (default: nbs/data/lora_bug_<gpu>[_moves].json)")
 
@@ -552,12 +556,14 @@ def _command(args) -> str:
     "The command that re-measures a record: its options where they differ from the defaults."
     opts = ["--moves"] if args.moves else []
     opts += [f"--fmt {args.fmt}"] if args.fmt != "all" and not args.moves else []
-    opts += [f"--ranks {' '.join(map(str, args.ranks))}"] if tuple(args.ranks) != LORA_BUG_RANKS and not args.moves else []
+    ranks_differ = tuple(args.ranks) != LORA_BUG_RANKS and not args.moves
+    opts += [f"--ranks {' '.join(map(str, args.ranks))}"] if ranks_differ else []
     opts += [f"--iters {args.iters}"] if args.iters != 30 else []
     return " ".join(["w4a4-book repro lora-bug", *opts])
 
 def run_ladder(args) -> int:
-    "`repro ladder`: measure the story's rungs on an sm_90 GPU and save the record; elsewhere print the recorded ladders."
+    """`repro ladder`: measure the story's rungs on an sm_90 GPU and save the record; elsewhere print the recorded
+    ladders."""
     fmt = "int4" if args.fmt == "all" else args.fmt
     why_not = workloads.kernel_unavailable(LORA_BUG_CONFIG)
     if why_not is not None:
@@ -583,7 +589,8 @@ def _check_args(args) -> None:
     if args.out: records.check_output_path(args.out, "--out")
 
 def run(args) -> int:
-    "Measure on an sm_90 GPU and save JSON + PNG; elsewhere print the story, the Hopper move and, with `--all`, the long tables."
+    """Measure on an sm_90 GPU and save JSON + PNG; elsewhere print the story, the Hopper move and, with `--all`, the
+    long tables."""
     _check_args(args)
     if args.experiment == "ladder":
         return run_ladder(args)
@@ -605,12 +612,14 @@ def run(args) -> int:
     path = Path(args.out or records.data_dir() / f"lora_bug_{gpu.split()[-1].lower()}{suffix}.json")
     records.save_record(path, records.provenance(_command(args), [list(p) for p in problems]), rows)
     if args.moves:
-        plot_moves(rows, path.with_suffix(".png"), title=f"{gpu}: the bug's move; red, the bug's build; green, the fix's")
+        plot_moves(rows, path.with_suffix(".png"),
+                   title=f"{gpu}: the bug's move; red, the bug's build; green, the fix's")
         print(move_table(rows))
     else:
         plot_lora_bug(rows, path.with_suffix(".png"), title=f"{gpu}: 2-CTA pairs, fixed = per_cta, bug = pair")
         print(lora_bug_table(rows))
         w = worst_case(rows)
-        print(f"\nWorst case: {w['config']} {w['M']}x{w['N']}x{w['K']} R={w['R']}, fixed/bug {w['fixed_over_bug']:.2f}x")
+        print(f"\nWorst case: {w['config']} {w['M']}x{w['N']}x{w['K']} R={w['R']}, "
+              f"fixed/bug {w['fixed_over_bug']:.2f}x")
     print(f"saved {path} and its plot {path.with_suffix('.png')}")
     return 0

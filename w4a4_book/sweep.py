@@ -205,7 +205,8 @@ def recorded_report() -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     "Options of `w4a4-book sweep-stages`."
     kernels = sorted({s.kernel for s in gemm.REGISTRY.values()})
-    p.add_argument("--versions", nargs="+", default=None, choices=kernels, help="kernels to sweep, by registry name (default: every one computing --fmt)")
+    p.add_argument("--versions", nargs="+", default=None, choices=kernels,
+                   help="kernels to sweep, by registry name (default: every one computing --fmt)")
     p.add_argument("--fmt", default=gemm.DEFAULT_FMT,
                    choices=sorted({s.fmt for s in gemm.REGISTRY.values() if s.arch == "sm_90a"}),
                    help=f"the weights' format: int4_pg (exact-integer mainloop) or int4 (default: {gemm.DEFAULT_FMT})")
