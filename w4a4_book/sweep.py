@@ -20,17 +20,20 @@ SWEEP_PROBLEMS = ((4352, 3072, 3840, 128), (8192, 8192, 8192, 32))   # large LoR
 SWEEP_CONFIGS = (smem.HopperV1Config(), smem.HopperV2Config())   # the kernels swept by default, one CTA each
 
 def max_stages(config, problem: Problem) -> int:
-    "The most main stages that fit for the kernel of `config` on `problem`: the solver's pick, under `config`'s accounting (`per_cta` by default)."
+    """The most main stages that fit for the kernel of `config` on `problem`: the solver's pick, under `config`'s
+    accounting (`per_cta` by default)."""
     return smem.solve(gemm.bind(replace(config, stages=None), problem), k=problem.K).stages["main"]
 
 def min_stages(config) -> int:
-    "The fewest main stages the kernel of `config` runs with: where a sweep starts (two for the int4_pg mainloop, else one)."
+    """The fewest main stages the kernel of `config` runs with: where a sweep starts (two for the int4_pg mainloop, else
+    one)."""
     if type(config) not in smem.FAMILIES:
         raise TypeError(f"config: expected a smem family's config, got {type(config).__name__}")
     return smem.FAMILIES[type(config)].min_stages
 
 def solver_marks(config, problem: Problem) -> dict:
-    "Main stages the solver picks for the kernel of `config` on `problem` under each accounting mode, for marking the curve."
+    """Main stages the solver picks for the kernel of `config` on `problem` under each accounting mode, for marking the
+    curve."""
     return {a: max_stages(replace(config, lora_accounting=a), problem) for a in smem.FAMILIES[type(config)].accountings}
 
 # %% ../nbs/08_pipeline_depth.ipynb #86b950c8
@@ -53,15 +56,19 @@ def sweep_stages(configs=SWEEP_CONFIGS, problems=SWEEP_PROBLEMS, *, iters=20, wa
                 launch, _ = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=replace(config, stages=s))
                 t = timing.time_cuda(launch, warmup=warmup, iters=iters)
                 tf = timing.tflops(M, N, K, t["median_ms"])
-                rows.append(dict(version=v, fmt=spec.fmt, tile_m=tm, M=M, N=N, K=K, R=R, cluster_n=cn, stages=s, **t, tflops=tf,
-                                 mfu=timing.mfu(tf, gpu)))
-                if not quiet: print(f"{v} {spec.fmt} tile {tm} {M}x{N}x{K} R={R} cluster_n={cn} stages={s}: {tf:.0f} TFLOP/s", flush=True)
+                rows.append(dict(version=v, fmt=spec.fmt, tile_m=tm, M=M, N=N, K=K, R=R, cluster_n=cn, stages=s, **t,
+                                 tflops=tf, mfu=timing.mfu(tf, gpu)))
+                if not quiet:
+                    print(f"{v} {spec.fmt} tile {tm} {M}x{N}x{K} R={R} cluster_n={cn} stages={s}: {tf:.0f} TFLOP/s",
+                          flush=True)
     return rows
 
 # %% ../nbs/08_pipeline_depth.ipynb #411657ed
 def curve_key(row):
-    "The curve a sweep row belongs to: `(version, M, N, K, R, cluster_n, fmt, tile_m)` (rows recorded before int4_pg: int4, the config's tile)."
-    return (row["version"], row["M"], row["N"], row["K"], row["R"], row["cluster_n"], row.get("fmt", "int4"), row.get("tile_m"))
+    """The curve a sweep row belongs to: `(version, M, N, K, R, cluster_n, fmt, tile_m)` (rows recorded before int4_pg:
+    int4, the config's tile)."""
+    return (row["version"], row["M"], row["N"], row["K"], row["R"], row["cluster_n"], row.get("fmt", "int4"),
+            row.get("tile_m"))
 
 def curves(rows):
     "Each curve of `rows` as `{key: {stages: row}}`, keys in first-seen order."
@@ -78,7 +85,8 @@ def curves(rows):
     return out
 
 def curve_config(key):
-    "The config of the kernel a curve `key` was measured with: the registry's kernel `key[0]` for format `key[6]`, `key[5]` CTAs, tile `key[7]`."
+    """The config of the kernel a curve `key` was measured with: the registry's kernel `key[0]` for format `key[6]`,
+    `key[5]` CTAs, tile `key[7]`."""
     config = gemm.find_kernel(key[0], key[6]).config(cluster_n=key[5])
     return config if key[7] is None else replace(config, tile_m=key[7])
 
@@ -91,7 +99,8 @@ def sweep_marks(rows, cluster_n=2):
     marks = {}
     for k in (k for k in curves(rows) if k[5] == cluster_n):
         config = curve_config(k)
-        marks[k] = solver_marks(config, gemm.example_problem(gemm.spec_for(config), *k[1:5]))   # the format's own scale type
+        # the format's own scale type
+        marks[k] = solver_marks(config, gemm.example_problem(gemm.spec_for(config), *k[1:5]))
     return marks
 
 # %% ../nbs/08_pipeline_depth.ipynb #11cbbb90
@@ -102,13 +111,15 @@ def sweep_summary(rows):
         v, M, N, K, R, cn = key[:6]
         tf = {s: c[s]["tflops"] for s in sorted(c)}
         deep = [x for s, x in tf.items() if s >= 2]
-        out.append(dict(version=v, label=curve_label(key), cluster_n=cn, M=M, N=N, K=K, R=R, tflops=tf, best=max(tf.values()),
+        out.append(dict(version=v, label=curve_label(key), cluster_n=cn, M=M, N=N, K=K, R=R, tflops=tf,
+                        best=max(tf.values()),
                         one_over_best=tf[1] / max(tf.values()) if 1 in tf else None,
                         spread_from_2=max(deep) / min(deep) if deep else None))
     return out
 
 def sweep_table(rows) -> str:
-    "`sweep_summary` as Markdown: TFLOP/s at each stage count swept, then one stage against the best (if swept) and the spread from 2 up."
+    """`sweep_summary` as Markdown: TFLOP/s at each stage count swept, then one stage against the best (if swept) and
+    the spread from 2 up."""
     summary = sweep_summary(rows)
     lo, hi = min(min(s["tflops"]) for s in summary), max(max(s["tflops"]) for s in summary)
     pct = lambda x: "" if x is None else f"{x:.1%}"
@@ -121,10 +132,12 @@ def sweep_table(rows) -> str:
 
 # %% ../nbs/08_pipeline_depth.ipynb #2b0f5f7e
 _MARK_COLOR = {("pair",): "tab:red", ("per_cta",): "tab:green"}   # the bug red, the fix green; both black
-_LINE_COLORS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:gray")   # no red or green: those are the marks
+# no red or green: those are the marks
+_LINE_COLORS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:gray")
 
 def plot_sweep(rows, marks=None, path=None, title=None):
-    "MFU against main stages, one panel per problem and one line per kernel; `marks` {curve key: {mode: stages}} rings the solver's picks."
+    """MFU against main stages, one panel per problem and one line per kernel; `marks` {curve key: {mode: stages}} rings
+    the solver's picks."""
     from matplotlib.figure import Figure
     cs = curves(rows)
     problems = list(dict.fromkeys(k[1:5] for k in cs))
@@ -141,8 +154,10 @@ def plot_sweep(rows, marks=None, path=None, title=None):
             for s, modes in picked.items():
                 if s not in pts: continue
                 modes = tuple(sorted(modes))
-                ax.scatter([s], [pts[s]], s=150, facecolors="none", edgecolors=_MARK_COLOR.get(modes, "black"), linewidths=1.5, zorder=3)
-                ax.annotate(" = ".join(modes), (s, pts[s]), textcoords="offset points", xytext=(0, -16), ha="center", fontsize=7)
+                ax.scatter([s], [pts[s]], s=150, facecolors="none", edgecolors=_MARK_COLOR.get(modes, "black"),
+                           linewidths=1.5, zorder=3)
+                ax.annotate(" = ".join(modes), (s, pts[s]), textcoords="offset points", xytext=(0, -16), ha="center",
+                            fontsize=7)
         ax.set_title("{}x{}x{}, R={}".format(*prob), fontsize=9)
         ax.set_xlabel("main K-loop stages (forced)")
         ax.set_xticks(range(1, max(s for k in cs if k[1:5] == prob for s in cs[k]) + 1))
