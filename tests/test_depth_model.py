@@ -65,3 +65,13 @@ def test_plot_timeline(tmp_path):
     matplotlib.use("Agg")
     fig = latency.plot_timeline(latency.kloop_timeline(5, 0.5, 0.2, 1.0, 2), path=tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 0 and len(fig.axes[0].get_yticklabels()) == 2
+
+
+def test_pointer_chase_compiles_from_the_package():
+    "The kernel compiles as the package holds it (CuTe DSL re-runs its module's imports; a relative one failed there)."
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    cute.compile(latency.PointerChase(), make_fake_compact_tensor(cutlass.Int32, (1 << 20,)),
+                 make_fake_compact_tensor(cutlass.Int32, (1,)), cutlass.Int32(10), make_fake_stream(),
+                 options="--gpu-arch sm_90a")
