@@ -938,7 +938,8 @@ class W4A4GemmPgSmem(W4A4GemmPg):
         self.dstages = budget.stages["decode"]
 
     def _layouts(self) -> dict:
-        "The layouts above plus the decoded ring: `2·decode_stages` K-major 64-row int8 tiles (one per MMA warpgroup and stage)."
+        """The layouts above plus the decoded ring: `2·decode_stages` K-major 64-row int8 tiles (one per MMA warpgroup
+        and stage)."""
         L = super()._layouts()
         L["w_decoded"] = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (TILE_N // 2, self.bm, self.bk),
                                                        cutlass.Int8, 2 * self.dstages)
@@ -948,7 +949,8 @@ class W4A4GemmPgSmem(W4A4GemmPg):
         return dict(super()._smem_dtypes(), w_decoded=cutlass.Int8)
 
     def _mmas(self) -> PgMmas:
-        "INT8 with both operands in shared memory, one warpgroup of 64 weight rows (accumulate off and on); the LoRA MMA as above."
+        """INT8 with both operands in shared memory, one warpgroup of 64 weight rows (accumulate off and on); the LoRA
+        MMA as above."""
         K = wg_ops.OperandMajorMode.K
         ss = lambda: sm90_utils.make_trivial_tiled_mma(cutlass.Int8, cutlass.Int8, K, K, cutlass.Int32, (1, 1, 1),
                                                        tiler_mn=(TILE_N // 2, self.bm))
@@ -960,20 +962,25 @@ class W4A4GemmPgSmem(W4A4GemmPg):
         return pipeline.PipelineAsync.create(
             barrier_storage=st.dec_full.data_ptr(), num_stages=self.dstages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.roles.decode_warps)),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.roles.mma_warps)), defer_sync=True)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.roles.mma_warps)),
+            defer_sync=True)
 
 # %% ../../nbs/13c_pg_variants.ipynb #72cb696b
 @patch
 @cute.jit
 def decode_role(self: W4A4GemmPgSmem, st, layouts: PgLayouts, load_pipe, dec_pipe, dtid, cta: PgCta):
-    "Warps 4–7: each packed stage's weights → int8 `q·u` in a decoded stage; then the packed stage's weights are released."
+    """Warps 4–7: each packed stage's weights → int8 `q·u` in a decoded stage; then the packed stage's weights are
+    released."""
     S, D, nthr = self.stages, self.dstages, 32 * len(self.roles.decode_warps)
     parts.check_decoded_layout(layouts.w_decoded, self.bk)
-    sW = cute.make_tensor(cute.recast_ptr(st.w_packed.data_ptr(), dtype=cutlass.Uint32), cute.make_layout((WORDS_W, S), stride=(1, WORDS_W)))
-    sU = cute.make_tensor(cute.recast_ptr(st.w_u.data_ptr(), dtype=cutlass.Uint32), cute.make_layout((WORDS_U, S), stride=(1, WORDS_U)))
+    sW = cute.make_tensor(cute.recast_ptr(st.w_packed.data_ptr(), dtype=cutlass.Uint32),
+                          cute.make_layout((WORDS_W, S), stride=(1, WORDS_W)))
+    sU = cute.make_tensor(cute.recast_ptr(st.w_u.data_ptr(), dtype=cutlass.Uint32),
+                          cute.make_layout((WORDS_U, S), stride=(1, WORDS_U)))
     dW = parts.decoded_words(st.w_decoded.data_ptr(), TILE_N // 2, self.bk, 2 * D)       # (ROW, CHUNK, WORD, 2·D)
     sTab = st.decode_lookup.get_tensor(layouts.decode_lookup)
-    lane, e = dtid // 4, dtid % 4                                  # the A-fragment lane and word this thread's words come from
+    # the A-fragment lane and word this thread's words come from
+    lane, e = dtid // 4, dtid % 4
     h = e % 2
     cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
     dprod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, D)
@@ -982,7 +989,8 @@ def decode_role(self: W4A4GemmPgSmem, st, layouts: PgLayouts, load_pipe, dec_pip
         dec_pipe.producer_acquire(dprod)
         for wg in cutlass.range(2, unroll=1):       # an MMA warpgroup's words at a time: unrolled whole, they spill
             for j in cutlass.range_constexpr(WORDS_W // nthr // 2):
-                i, warp = j // 4, j % 4          # word dtid + 128·(8·wg + j) = ((wg·2 + i)·128 + t)·4 + e, t = 32·warp + lane
+                # word dtid + 128·(8·wg + j) = ((wg·2 + i)·128 + t)·4 + e, t = 32·warp + lane
+                i, warp = j // 4, j % 4
                 row = 16 * warp + lane // 4 + 8 * h                     # within the warpgroup's 64 rows
                 k0 = 32 * (2 * i + e // 2) + 4 * (lane % 4)
                 uw = sU[wg * 32 + warp * 8 + lane // 4, cons.index]
@@ -1021,7 +1029,8 @@ def kloop_smem(self: W4A4GemmPgSmem, mmas, acc, tCrA, tCrB, load_pipe, dec_pipe,
         load_pipe.consumer_wait(cons)
         cute.nvgpu.warpgroup.fence()
         for s in cutlass.range_constexpr(4):
-            cute.gemm(mmas.main, acc, tCrA[(None, None, s, 2 * dcons.index + wgi)], tCrB[(None, None, s, cons.index)], acc)
+            cute.gemm(mmas.main, acc, tCrA[(None, None, s, 2 * dcons.index + wgi)], tCrB[(None, None, s, cons.index)],
+                      acc)
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(0)
         dec_pipe.consumer_release(dcons)
@@ -1049,7 +1058,8 @@ def mma_role_smem(self: W4A4GemmPgSmem, st, loads: PgLoads, vecs: PgVectors, mma
         m, n = cta.sched.tile_mn(i, cta.rank, cta.cluster_id, cta.n_clusters)
         pre = self.prefetch_vectors(vecs, t, wgi, m, n, M)
         cons, dcons = self.kloop_smem(mmas, acc, tCrA, tCrB, load_pipe, dec_pipe, (cons, dcons), wgi)
-        lcons = self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, pre, t, wgi, m, n, M)
+        lcons = self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, pre, t, wgi,
+                              m, n, M)
     if t == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -1061,12 +1071,14 @@ PG_V1_ROLES = WarpRoles(load_warp=0, decode_warps=(), mma_warps=tuple(range(8)),
 class W4A4GemmPgV1(W4A4GemmPg):
     "v1 on the exact-integer mainloop: one CTA (or naive pair) per output tile, 256 threads, MMA warp 0 also loads."
     name = "sm90 v1 int4_pg"
-    roles = PG_V1_ROLES                # warp 0 is an MMA warp and the TMA issuer; no setmaxnreg (no load warpgroup to take from)
+    # warp 0 is an MMA warp and the TMA issuer; no setmaxnreg (no load warpgroup to take from)
+    roles = PG_V1_ROLES
     persistent = False
 
     @cute.jit
     def first_loads(self, st, loads, layouts, load_pipe, lora_pipe, cta):
-        "Warp 0, before the CTA's one tile: its LoRA blocks and its first `stages` K-blocks; returns what `refill` needs."
+        """Warp 0, before the CTA's one tile: its LoRA blocks and its first `stages` K-blocks; returns what `refill`
+        needs."""
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         m, n = cta.sched.tile_mn(0, cta.rank, cta.cluster_id, cta.n_clusters)
         copies = self.tile_copies(st, loads, layouts, cta.rank, m, n)
@@ -1090,7 +1102,8 @@ def pg_sk_tensors(p: operands.Problem, *args) -> list:
     return [*t[:-2], *sk_tensors(t[0].device, SK_SLOTS)]
 
 class W4A4GemmPgStreamK(W4A4GemmPg):
-    "The register-decode kernel on the stream-K schedule (`sm90_parts.StreamK`): one CTA a cluster, cut tiles fixed up in global memory."
+    """The register-decode kernel on the stream-K schedule (`sm90_parts.StreamK`): one CTA a cluster, cut tiles fixed up
+    in global memory."""
     name = "sm90 v2 int4_pg stream-K"
     arguments = staticmethod(pg_sk_arguments)
     tensors = staticmethod(pg_sk_tensors)
@@ -1138,7 +1151,8 @@ class W4A4GemmPgStreamK(W4A4GemmPg):
         return cons, rel
 
     def run_step(self, mmas, acc, F, tCrB, dv, pipe, cons, rel):
-        "One block: decode it into `F` (free: its last wgmmas retired a step ago), issue it, retire the block before and free its stage."
+        """One block: decode it into `F` (free: its last wgmmas retired a step ago), issue it, retire the block before
+        and free its stage."""
         pipe.consumer_wait(cons)
         self.load_decode(dv, F, cons.index)
         self.mma_block(mmas, acc, F, tCrB, cons.index)
@@ -1157,7 +1171,8 @@ class W4A4GemmPgStreamK(W4A4GemmPg):
         else:
             if role == SK_FINISH:
                 self.add_partial(vecs, acc, cta.cluster_id + 1, t, wgi)
-            lcons = self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, pre, t, wgi, m, n, M)
+            lcons = self.epilogue(st, loads, vecs, mmas, layouts, lora_pipe, lcons, acc, tCcC, lora_frags, pre, t, wgi,
+                                  m, n, M)
         return lcons
 
     def flag_addr(self, vecs, slot, wgi):
@@ -1165,23 +1180,27 @@ class W4A4GemmPgStreamK(W4A4GemmPg):
         return vecs.flags.iterator.toint() + cutlass.Int64(slot * 2 + wgi) * 4
 
     def partial_word(self, acc, slot, t, wgi):
-        "Thread `t` of warpgroup `wgi`: the word of slot `slot` that holds its first accumulator (its `i`-th is `i·128` words on)."
+        """Thread `t` of warpgroup `wgi`: the word of slot `slot` that holds its first accumulator (its `i`-th is
+        `i·128` words on)."""
         return slot * SK_WORDS + wgi * cute.size(acc) * 128 + t
 
     @cute.jit
     def store_partial(self, vecs, acc, slot, t, wgi):
-        "Thread `t`'s accumulators into slot `slot`, word `i` of it at `i·128 + t` (coalesced); then the warpgroup's flag, released."
+        """Thread `t`'s accumulators into slot `slot`, word `i` of it at `i·128 + t` (coalesced); then the warpgroup's
+        flag, released."""
         base = self.partial_word(acc, slot, t, wgi)
         for i in cutlass.range_constexpr(cute.size(acc)):
             vecs.partials[base + i * 128] = acc[i]
         cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_WG0 + wgi, number_of_threads=128)
         if t == 0:
-            fence_gpu()                                    # the warpgroup's stores, seen through the barrier, before the flag
+            # the warpgroup's stores, seen through the barrier, before the flag
+            fence_gpu()
             arrive_release_gpu(self.flag_addr(vecs, slot, wgi))
 
     @cute.jit
     def add_partial(self, vecs, acc, slot, t, wgi):
-        "Wait for slot `slot`'s flag (thread 0, then the warpgroup's barrier), reset it, and add the partial into `acc`."
+        """Wait for slot `slot`'s flag (thread 0, then the warpgroup's barrier), reset it, and add the partial into
+        `acc`."""
         addr = self.flag_addr(vecs, slot, wgi)
         if t == 0:
             seen = load_relaxed_gpu(addr)
