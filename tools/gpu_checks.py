@@ -159,7 +159,8 @@ def run_suite(workers: int, junit: Path) -> list:
 
 
 RECORDS = {"moves": lambda out, gpu: ["repro", "lora-bug", "--moves", "--out", str(out / f"lora_bug_{gpu}_moves.json")],
-           "ladder": lambda out, gpu: ["repro", "ladder", "--fmt", "int4_pg", "--out", str(out / f"ladder_{gpu}_int4_pg.json")]}
+           "ladder": lambda out, gpu: ["repro", "ladder", "--fmt", "int4_pg",
+                                       "--out", str(out / f"ladder_{gpu}_int4_pg.json")]}
 
 
 def run_records(out_dir: Path, which=tuple(RECORDS)) -> None:

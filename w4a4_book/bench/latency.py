@@ -12,7 +12,7 @@ import torch
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
-import w4a4_book.records as records      # absolute: CuTe DSL re-runs a kernel module's imports, and a relative one fails there
+import w4a4_book.records as records    # absolute: CuTe DSL re-runs this module's imports; a relative one fails
 
 # %% ../../nbs/21_depth_model.ipynb #b0bfcf7a
 class PointerChase:
