@@ -7,9 +7,10 @@ import json
 import re
 from pathlib import Path
 
+from test_book import PART_I
+
 ROOT = Path(__file__).resolve().parent.parent
-STORY = ["index", "01_hopper", "02_formats", "03_reference", "04_v1", "05_v2", "06_budget", "07_lora_bug",
-         "08_pipeline_depth", "09_pg", "10_blackwell", "11_lessons"]
+STORY = ["index", *PART_I]                      # the introduction and Part I, as the sidebar orders them
 STORY_WORDS, CELL_LINES = 20_000, 60
 # what a lab notebook says and a story does not: a commit hash (hex with a digit and a letter), a file the records or
 # figures live in, and the project's own bookkeeping (an issue or session of its work, a git branch)
