@@ -17,13 +17,17 @@ LAYERS = [
     ("bench", "bench.*", "repro", "sweep", "accuracy", "block"),             # experiments
     ("layers",),                                                    # the layer
     ("ops",),                                                       # the layer's forward pass as a torch.library op
-    ("gemm",),                                                      # the host layer
+    ("gemm", "act_quant"),                                          # the launch paths: the GEMM's, the activation kernel's
+    ("jit",),                                                       # building, compiling, the kernel cache
+    ("registry",),                                                  # the kernels, by row
+    ("heuristics",),                                                # a config bound to its problem: tiles, grids
     ("kernels.sm90_v1", "kernels.sm90_v2", "kernels.sm90_quant", "kernels.sm90_pg*", "kernels.sm90_v*", "kernels.sm100_v*"),  # kernels
     ("kernels.sm100_parts",),                                       # the Blackwell parts, on the generic ones below
     ("kernels.sm90_parts",),                                        # kernel parts
+    ("cache",),                                                     # what the host layer keeps between calls
     ("smem", "reference", "operands", "formats", "records"),        # foundations
 ]
-SIBLINGS_MAY_IMPORT = {1, 8}     # experiments build on each other, foundations too; kernels never import kernels
+SIBLINGS_MAY_IMPORT = {1, 12}     # experiments build on each other, foundations too; kernels never import kernels
 EXEMPT = {"__init__", "_modidx", "kernels", "kernels.__init__", "bench.__init__"}   # the package facade and nbdev's index
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from w4a4_book import gemm
+from w4a4_book import act_quant, heuristics, jit, registry, gemm
 from w4a4_book.bench import layer as bench_layer
 from w4a4_book.bench import report, timing, workloads
 from w4a4_book.bench.report import (ACTIVATION_README_RECORD, LAYER_README_RECORDS, LORA_RECORD, MOVES_RECORD, PG_README_RECORDS, README_RECORDS, WAVES_RECORD, bench_table, check_floors, large_m, lora_line,
@@ -256,8 +256,8 @@ def test_kernel_ref_is_looked_up_when_resolved(monkeypatch):
     asked = []
     def find_kernel(kernel, fmt, arch, mainloop):
         asked.append((kernel, fmt, arch, mainloop))
-        return gemm.REGISTRY["sm_90a", "v2", "int4", "promote"]     # a stand-in row: any registered config class
-    monkeypatch.setattr(gemm, "find_kernel", find_kernel)
+        return registry.REGISTRY["sm_90a", "v2", "int4", "promote"]     # a stand-in row: any registered config class
+    monkeypatch.setattr(registry, "find_kernel", find_kernel)
     m = kernel_method("k", KernelRef("int4_pg", "v2", fields=(("cluster_n", 2),)))
     assert asked == [] and m.fmts == ("int4_pg",)                    # declaring the method looked nothing up
     assert workloads.resolve_config(m.config) == HopperV2Config(cluster_n=2)
@@ -267,7 +267,7 @@ def test_kernel_ref_is_looked_up_when_resolved(monkeypatch):
 
 def _pg_row_or_skip():
     try:
-        return gemm.find_kernel("v2", fmt="int4_pg")
+        return registry.find_kernel("v2", fmt="int4_pg")
     except ValueError as e:
         pytest.skip(f"the int4_pg kernel is not registered yet ({e})")
 
@@ -284,11 +284,11 @@ def test_pg_methods_reach_the_kernel_on_cpu(monkeypatch):
         w = make_workload(256, 512, 1024, 32, fmt=m.fmts[0], device="cpu")
         out = m.build(w)()
         config, p = compiled[-1]
-        assert gemm.spec_for(config).fmt == spec.fmt == "int4_pg" and out.shape == (256, 512)
+        assert registry.spec_for(config).fmt == spec.fmt == "int4_pg" and out.shape == (256, 512)
         pure = "pure" in m.name
         assert (p.fmt, p.act_fmt, p.R, p.out_dtype) == ("int4_pg", m.fmts[0], 0 if pure else 32,
                                                        torch.float16 if pure else torch.bfloat16)
-        assert gemm.cluster_size(config) == (2 if "2cta" in m.name else 1)
+        assert heuristics.cluster_size(config) == (2 if "2cta" in m.name else 1)
 
 
 def test_pg_pure_problem_compiles_without_a_gpu():
@@ -298,7 +298,7 @@ def test_pg_pure_problem_compiles_without_a_gpu():
     w = make_workload(4352, 3072, 3840, 32, fmt="int4_pg", device="cpu")
     config = workloads.resolve_config(pure.config)
     p = gemm.operands.check_gemm_operands(w.act, w.wgt, out_dtype=torch.float16)
-    rep = gemm.compile_kernel(config, p)
+    rep = jit.compile_kernel(config, p)
     assert rep.instructions["wgmma (int8)"] > 0 and rep.instructions["wgmma (16-bit)"] == 0   # no LoRA product
     assert rep.instructions["local memory"] == 0
 
@@ -345,8 +345,8 @@ def test_pg_methods_launch_their_looked_up_config(monkeypatch):
         seen.append(dict(fmts=(ops[0].fmt, ops[0].packing, ops[1].fmt, ops[1].packing), n_ops=len(ops),
                          out_dtype=out_dtype, config=config))
         return (lambda: None), torch.zeros(ops[0].rows, ops[1].rows, dtype=out_dtype)
-    row = gemm.REGISTRY["sm_90a", "v2", "int4", "promote"]
-    monkeypatch.setattr(gemm, "find_kernel", lambda kernel, fmt, arch, mainloop: row)   # stands in for the int4_pg row
+    row = registry.REGISTRY["sm_90a", "v2", "int4", "promote"]
+    monkeypatch.setattr(registry, "find_kernel", lambda kernel, fmt, arch, mainloop: row)   # stands in for the int4_pg row
     monkeypatch.setattr(gemm, "gemm_launcher", fake_launcher)
     pg = {m.name: m for m in PG_KERNELS}
     w = make_workload(64, 128, 128, 16, fmt="int4_pg", device="cpu")
@@ -365,7 +365,7 @@ def test_budget_of_a_kernel_method():
     "The stages a kernel method runs with are the solver's for its config bound to the workload's problem."
     from w4a4_book import smem
     p = make_workload(64, 128, 3840, 128, device="cpu").problem
-    stages = {m.name: smem.solve(gemm.bind(m.config, p), k=p.K).stages["main"] for m in KERNELS}
+    stages = {m.name: smem.solve(heuristics.bind(m.config, p), k=p.K).stages["main"] for m in KERNELS}
     assert stages["w4a4_v2"] == stages["w4a4_v2_2cta"] == 3      # the fix: a pair charges each CTA its half of LU
 
 
@@ -676,10 +676,10 @@ def test_stock_int8_gemm_on_gpu():
 def test_activation_kernel_captures(fmt):
     "`quantize_lora_down` captures in a CUDA graph (nothing in it waits for the host), and a replay rewrites its outputs exactly."
     x, smooth, ldt = bench_layer._activation_inputs(256, 512, 32)
-    eager_act, eager_lora = gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt)
+    eager_act, eager_lora = act_quant.quantize_lora_down(x, smooth, ldt, fmt=fmt)
     got = {}
     def call():
-        got["out"] = gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt)
+        got["out"] = act_quant.quantize_lora_down(x, smooth, ldt, fmt=fmt)
     replay = timing.cuda_graph(call)       # raises RuntimeError if the call synchronises with the host
     act, lora = got["out"]
     for t in (act.data, lora, act.scales, act.base):
@@ -885,7 +885,7 @@ def test_bench_layer_grid_needs_activation():
     p = argparse.ArgumentParser(); layer.add_arguments(p)
     with pytest.raises(ValueError, match="--grid"):
         layer.run(p.parse_args(["--grid"]))
-    assert layer.ACTIVATION_GRID[0] == (2, 2) and (gemm.ACT_CTAS_PER_SM, gemm.ACT_STAGES) in layer.ACTIVATION_GRID
+    assert layer.ACTIVATION_GRID[0] == (2, 2) and (heuristics.ACT_CTAS_PER_SM, heuristics.ACT_STAGES) in layer.ACTIVATION_GRID
 
 
 def test_depth_model_and_chase_buffer():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from w4a4_book import cli, gemm, records, repro, smem, sweep
+from w4a4_book import cli, records, repro, smem, sweep, heuristics, jit, registry, gemm
 from w4a4_book.bench import block, layer, report, timing, workloads
 from w4a4_book.formats import quantize
 from w4a4_book.operands import (Problem, Requirements, check_int32_sum, check_layer_args, check_operands, check_problem,
@@ -32,7 +32,7 @@ def no_long_work(monkeypatch):
         def f(*a, **k):
             raise AssertionError(f"{what} ran before the argument was refused")
         return f
-    monkeypatch.setattr(gemm, "compile_on_fakes", never("compile_on_fakes"))
+    monkeypatch.setattr(jit, "compile_on_fakes", never("compile_on_fakes"))
     monkeypatch.setattr(cli, "process_notebooks", never("process_notebooks"))
     monkeypatch.setattr(report, "run_bench", never("run_bench"))
     monkeypatch.setattr(sweep, "sweep_stages", never("sweep_stages"))
@@ -198,17 +198,17 @@ def test_compile_help_names_each_kernel_once():
     table = out[out.index("--arch   --fmt"):]
     rows = [l.split()[:4] for l in table.splitlines()[1:] if re.match(r"  sm_\d+a ", l)]
     keys = [(a, k.rstrip("*"), f, m) for a, f, k, m in rows]     # REGISTRY's keys: (arch, kernel, fmt, mainloop)
-    assert sorted(keys) == sorted(gemm.REGISTRY) and len(set(keys)) == len(keys)
+    assert sorted(keys) == sorted(registry.REGISTRY) and len(set(keys)) == len(keys)
 
 
 def test_one_default_format():
     "The library and every command that takes a format default to int4_pg, the layer's."
     from w4a4_book import layers
-    assert gemm.DEFAULT_FMT == layers.DEFAULT_FMT == "int4_pg"
-    assert gemm.find_kernel().fmt == gemm.default_config().fmt == gemm.DEFAULT_FMT
+    assert registry.DEFAULT_FMT == layers.DEFAULT_FMT == "int4_pg"
+    assert registry.find_kernel().fmt == registry.default_config().fmt == registry.DEFAULT_FMT
     for command in ("compile", "bench", "sweep-stages"):
         args = cli.parser(command).parse_args([command])
-        fmt = gemm.default_fmt(args.arch) if command == "compile" and args.fmt is None else args.fmt
+        fmt = registry.default_fmt(args.arch) if command == "compile" and args.fmt is None else args.fmt
         assert fmt == "int4_pg", command
 
 
@@ -247,27 +247,27 @@ API_CASES = [
     (lambda: smem.explain("nope"), ValueError, "cfg='nope'"),
     (lambda: smem.Term("x", 3, 3, "int8", None, ""), ValueError, "align=3"),
     # gemm
-    (lambda: gemm.find_kernel(fmt="bogus"), ValueError, "fmt: no kernel computes 'bogus'"),
-    (lambda: gemm.find_kernel("v9"), ValueError, "kernel: 'v9'"),
-    (lambda: gemm.find_kernel(arch="sm_80"), ValueError, "arch: 'sm_80': no kernel compiles for it"),
-    (lambda: gemm.find_kernel(fmt=4), TypeError, "fmt: must be a str"),
-    (lambda: gemm.default_config("bogus"), ValueError, "fmt: no kernel computes 'bogus'"),
-    (lambda: gemm.default_config(fmt=["int4"]), TypeError, "fmt: must be a str"),
-    (lambda: gemm.default_config(problem=(1, 2, 3, 4)), TypeError, "problem: expected an operands.Problem"),
-    (lambda: gemm.compile_kernel(arch="sm_80"), ValueError, "arch: 'sm_80': v2 (int4_pg, rs, sm_90a) compiles for"),
-    (lambda: gemm.compile_kernel("cfg"), TypeError, "config: expected one of"),
-    (lambda: gemm.compile_kernel(problem="p"), TypeError, "problem: expected an operands.Problem"),
-    (lambda: gemm.compile_kernel(smem.HopperV1Config(), Problem(4352, 3072, 3008, 32)), ValueError,
+    (lambda: registry.find_kernel(fmt="bogus"), ValueError, "fmt: no kernel computes 'bogus'"),
+    (lambda: registry.find_kernel("v9"), ValueError, "kernel: 'v9'"),
+    (lambda: registry.find_kernel(arch="sm_80"), ValueError, "arch: 'sm_80': no kernel compiles for it"),
+    (lambda: registry.find_kernel(fmt=4), TypeError, "fmt: must be a str"),
+    (lambda: registry.default_config("bogus"), ValueError, "fmt: no kernel computes 'bogus'"),
+    (lambda: registry.default_config(fmt=["int4"]), TypeError, "fmt: must be a str"),
+    (lambda: registry.default_config(problem=(1, 2, 3, 4)), TypeError, "problem: expected an operands.Problem"),
+    (lambda: jit.compile_kernel(arch="sm_80"), ValueError, "arch: 'sm_80': v2 (int4_pg, rs, sm_90a) compiles for"),
+    (lambda: jit.compile_kernel("cfg"), TypeError, "config: expected one of"),
+    (lambda: jit.compile_kernel(problem="p"), TypeError, "problem: expected an operands.Problem"),
+    (lambda: jit.compile_kernel(smem.HopperV1Config(), Problem(4352, 3072, 3008, 32)), ValueError,
      "act: K=3008 must be a multiple of 128"),
-    (lambda: gemm.compile_kernel(smem.HopperPgConfig(), Problem(4352, 3072, 3840, 32)), ValueError,
+    (lambda: jit.compile_kernel(smem.HopperPgConfig(), Problem(4352, 3072, 3840, 32)), ValueError,
      "act: format 'int4'"),
-    (lambda: gemm.spec_for(5), TypeError, "config: expected one of"),
-    (lambda: gemm.example_problem(gemm.find_kernel(), K=100), ValueError, "K: K=100"),
-    (lambda: gemm.bind(smem.HopperV2Config(lora_rank=64), Problem(8, 256, 256, 32)), ValueError,
+    (lambda: registry.spec_for(5), TypeError, "config: expected one of"),
+    (lambda: jit.example_problem(registry.find_kernel(), K=100), ValueError, "K: K=100"),
+    (lambda: heuristics.bind(smem.HopperV2Config(lora_rank=64), Problem(8, 256, 256, 32)), ValueError,
      "config.lora_rank: is 64"),
-    (lambda: gemm.bind(smem.HopperV2Config(), "p"), TypeError, "problem: expected an operands.Problem"),
-    (lambda: gemm.tile_choice(smem.HopperPgConfig(), "p"), TypeError, "problem: expected an operands.Problem"),
-    (lambda: gemm.k_splits(4, 60, 132, ctas_per_sm=0), ValueError, "ctas_per_sm: must be an int >= 1"),
+    (lambda: heuristics.bind(smem.HopperV2Config(), "p"), TypeError, "problem: expected an operands.Problem"),
+    (lambda: heuristics.tile_choice(smem.HopperPgConfig(), "p"), TypeError, "problem: expected an operands.Problem"),
+    (lambda: heuristics.k_splits(4, 60, 132, ctas_per_sm=0), ValueError, "ctas_per_sm: must be an int >= 1"),
     (lambda: gemm.gemm_w4a4(quantize(torch.randn(8, 128), "int4"), quantize(torch.randn(128, 128), "int4")), ValueError,
      "act: must be on a CUDA device"),
     # records

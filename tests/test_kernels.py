@@ -3,7 +3,7 @@ import re
 import pytest, torch
 from w4a4_book.formats import quantize
 from w4a4_book.reference import w4a4_gemm_ref
-from w4a4_book import gemm, operands
+from w4a4_book import operands, jit, registry, gemm
 from w4a4_book.operands import Problem
 from w4a4_book.smem import HopperV1Config, HopperV2Config
 
@@ -33,7 +33,7 @@ def test_bad_input_names_argument(bad, arg, version):
     kw = dict(act=p[0], wgt=p[1], lora_act=p[2], lora_up=p[3], cluster_n=1)
     kw.update({k: f(p) for k, f in bad.items()})
     cfg = CONFIGS[version]()
-    req = gemm.spec_for(cfg).kernel_class().requirements(cfg)
+    req = registry.spec_for(cfg).kernel_class().requirements(cfg)
     with pytest.raises((TypeError, ValueError)) as e:
         operands.check_gemm_operands(**kw, req=req)
     assert re.match(rf"{arg}\b", str(e.value)), str(e.value)      # every error names its argument first
@@ -48,7 +48,7 @@ def test_cpu_tensors_rejected_before_launch(config):
     ("v1", 32, 1, "per_cta"), ("v1", 0, 1, "per_cta"), ("v1", 128, 2, "per_cta"), ("v1", 128, 2, "pair"),
     ("v2", 32, 1, "per_cta"), ("v2", 0, 1, "per_cta"), ("v2", 128, 2, "per_cta"), ("v2", 128, 2, "pair")])
 def test_compiled_smem_equals_solver(version, R, cluster_n, accounting):
-    rep = gemm.compile_kernel(CONFIGS[version](cluster_n=cluster_n, lora_accounting=accounting), Problem(4352, 3072, 3840, R))
+    rep = jit.compile_kernel(CONFIGS[version](cluster_n=cluster_n, lora_accounting=accounting), Problem(4352, 3072, 3840, R))
     assert rep.smem_bytes == rep.budget.allocated
     if accounting == "per_cta": assert rep.budget.total == rep.budget.allocated
     ins = rep.instructions
@@ -118,7 +118,7 @@ def test_bfloat16_scales():
 def test_no_register_spills_where_ptxas_exists(version):
     """PTX shows no local memory; only ptxas sees spills. v1 must not spill. v2's 40-register decode branch spills
     20 bytes at R=32 (see the gotchas chapter); its MMA branch spilling would cost about a kilobyte per thread."""
-    rep = gemm.compile_kernel(CONFIGS[version](cluster_n=2), Problem(4352, 3072, 3840, 128))
+    rep = jit.compile_kernel(CONFIGS[version](cluster_n=2), Problem(4352, 3072, 3840, 128))
     res = rep.ptxas()
     if res is None:
         pytest.skip("no ptxas on this machine")
@@ -137,7 +137,7 @@ def test_v2_i2f_promotion_matches_reference():
 def test_v2_promotion_has_no_conversion():
     "v2's default promotion reads MAGIC + p straight from the wgmma accumulator: no I2F, two FMAs per element."
     p = Problem(4352, 3072, 3840, 32)
-    biased, i2f = gemm.compile_kernel(HopperV2Config(), p), gemm.compile_kernel(HopperV2Config(promotion="i2f"), p)
+    biased, i2f = jit.compile_kernel(HopperV2Config(), p), jit.compile_kernel(HopperV2Config(promotion="i2f"), p)
     assert biased.count(r"cvt\.rn\.f32\.s32") == 0
     assert i2f.count(r"cvt\.rn\.f32\.s32") == 128      # 2 groups × 64 accumulator elements per thread
 
@@ -147,7 +147,7 @@ def test_v2_promotion_has_no_conversion():
 def test_v2_options_are_checked(kw, word):
     "v2's mainloop options live in its config and are checked with it; v1's config has no such fields."
     with pytest.raises(ValueError, match=word):
-        gemm.build(HopperV2Config(**kw), Problem(256, 256, 256, 16))
+        jit.build(HopperV2Config(**kw), Problem(256, 256, 256, 16))
     with pytest.raises(TypeError, match=list(kw)[0]):
         HopperV1Config(**kw)
 
@@ -155,7 +155,7 @@ def test_v2_options_are_checked(kw, word):
 @pytest.mark.parametrize("version, R, opts", [("v1", 32, {}), ("v2", 0, {}), ("v2", 32, {}), ("v2", 32, {"promotion": "i2f"})])
 def test_ptxas_keeps_wgmma_pipelined(version, R, opts):
     "ptxas serialises every wgmma (advisory C7514/C7515) when a non-wgmma instruction touches an in-flight accumulator."
-    res = gemm.compile_kernel(CONFIGS[version](**opts), Problem(4352, 3072, 3840, R)).ptxas()
+    res = jit.compile_kernel(CONFIGS[version](**opts), Problem(4352, 3072, 3840, R)).ptxas()
     if res is None:
         pytest.skip("no ptxas on this machine")
     assert res["wgmma_advisories"] == [], res
@@ -165,5 +165,5 @@ def test_int4_pairs_only_on_the_verified_tile():
     "An int4 pair on a tile the H200 has not run (a 64-row one faulted there) is refused by name before any launch."
     for cfg in (HopperV1Config(tile_m=64, cluster_n=2), HopperV2Config(tile_m=64, cluster_n=2)):
         with pytest.raises(ValueError, match="tile_m: tile_m=64 with cluster_n=2"):
-            gemm.check(cfg, Problem(4352, 3072, 3840, 256))
-    assert gemm.check(HopperV1Config(tile_m=64), Problem(4352, 3072, 3840, 256)).K == 3840
+            jit.check(cfg, Problem(4352, 3072, 3840, 256))
+    assert jit.check(HopperV1Config(tile_m=64), Problem(4352, 3072, 3840, 256)).K == 3840

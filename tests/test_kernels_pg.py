@@ -2,7 +2,7 @@
 exact int64 reference, and one compiled kernel serving every M."""
 import pytest, torch
 from dataclasses import replace
-from w4a4_book import gemm, smem
+from w4a4_book import smem, heuristics, jit, registry, gemm
 from w4a4_book.formats import quantize
 from w4a4_book.operands import Problem
 from w4a4_book.reference import w4a4_gemm_exact
@@ -23,14 +23,14 @@ SMEM_VECTORS = dict(epi_vectors="smem")
                                    (dict(tile_m=192), 0), (dict(SMEM_VECTORS, tile_m=208, epi_tile_m=16, epi_deferred=True), 32),
                                    (dict(SMEM_VECTORS, tile_m=224, epi_deferred=True, cluster_n=2), 128)])
 def test_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
-    rep = gemm.compile_kernel(HopperPgConfig(**kw), pg_problem(4352, 3072, 3840, R))
+    rep = jit.compile_kernel(HopperPgConfig(**kw), pg_problem(4352, 3072, 3840, R))
     check_compiled(rep, R, a_in_registers=True)
     check_vectors(rep)
 
 
 @pytest.mark.parametrize("kw, R", [({}, 32), (dict(cluster_n=2), 128), ({}, 0), (SMEM_VECTORS, 32)])
 def test_decode_warpgroup_variant_compiles(kw, R):
-    rep = gemm.compile_kernel(HopperPgSmemConfig(**kw), pg_problem(4352, 3072, 3840, R))
+    rep = jit.compile_kernel(HopperPgSmemConfig(**kw), pg_problem(4352, 3072, 3840, R))
     check_compiled(rep, R, a_in_registers=False)
     check_vectors(rep)
 
@@ -38,7 +38,7 @@ def test_decode_warpgroup_variant_compiles(kw, R):
 @pytest.mark.parametrize("kw, R", [({}, 32), (dict(cluster_n=2, tile_m=128, lora_accounting="pair"), 128), ({}, 0),
                                    (dict(SMEM_VECTORS, tile_m=128), 32)])
 def test_v1_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
-    rep = gemm.compile_kernel(HopperPgV1Config(**kw), pg_problem(4352, 3072, 3840, R))
+    rep = jit.compile_kernel(HopperPgV1Config(**kw), pg_problem(4352, 3072, 3840, R))
     check_compiled(rep, R, a_in_registers=True)
     check_vectors(rep)
 
@@ -46,7 +46,7 @@ def test_v1_compiles_with_the_solvers_storage_and_no_serialisation(kw, R):
 @pytest.mark.parametrize("R", [32, 0])
 def test_stream_k_compiles_with_its_fixup(R):
     "The stream-K kernel: the solver's storage, the same wgmmas, and its fixup's release add, poll and 128 relaxed loads of a partial."
-    rep = gemm.compile_kernel(HopperPgStreamKConfig(), pg_problem(4352, 3072, 3840, R))
+    rep = jit.compile_kernel(HopperPgStreamKConfig(), pg_problem(4352, 3072, 3840, R))
     assert rep.smem_bytes == rep.budget.allocated
     ins = rep.instructions
     assert ins["wgmma (int8)"] == 16 and ins["wgmma (16-bit)"] == R // 16 and ins["local memory"] == 0, ins
@@ -66,7 +66,7 @@ def test_the_decode_multiplies_nothing():
     from w4a4_book.kernels.sm90_pg import DECODE_LOOKUP
     assert smem.PG_LOOKUP_BYTES == DECODE_LOOKUP.nbytes
     for cfg in (HopperPgConfig(), HopperPgSmemConfig(), HopperPgV1Config()):
-        rep = gemm.compile_kernel(cfg, pg_problem(4352, 3072, 3840, 0))
+        rep = jit.compile_kernel(cfg, pg_problem(4352, 3072, 3840, 0))
         assert rep.count(r"mad\.hi\.u32") == 0 and rep.count(r"prmt\.b32") >= 5, type(cfg).__name__
 
 
@@ -78,9 +78,9 @@ def test_lora_chunks_compile_with_the_solvers_storage(cls, kw):
     `lora_chunk / 16` LoRA wgmmas (R / 16 in all), and at R = 128 the 256-row tile keeps more main stages than with
     the rank held whole."""
     cfg, p = cls(**kw), pg_problem(4352, 3072, 3840, 128)
-    rep = gemm.compile_kernel(cfg, p)
+    rep = jit.compile_kernel(cfg, p)
     check_compiled(rep, 128, a_in_registers=cls is HopperPgConfig)
-    whole = smem.solve(gemm.bind(replace(cfg, lora_chunk=None, lora_stages=1), p), k=p.K).stages["main"]
+    whole = smem.solve(heuristics.bind(replace(cfg, lora_chunk=None, lora_stages=1), p), k=p.K).stages["main"]
     assert rep.budget.stages["main"] > whole
 
 
@@ -116,18 +116,18 @@ def check_compiled(rep, R, a_in_registers):
 def test_requirements_and_bad_input():
     a = quantize(torch.randn(64, 256), "int4_pg")
     w = quantize(torch.randn(256, 256), "int4_pg")
-    kernel = gemm.spec_for(HopperPgConfig()).kernel_class()
+    kernel = registry.spec_for(HopperPgConfig()).kernel_class()
     with pytest.raises(ValueError, match="act: the exact-integer kernel reads int8 activations"):
         kernel.tensors(Problem(64, 256, 256, 0, scale_dtype=torch.uint8, fmt="int4_pg"), a, w, None, None, None, None, None)
     with pytest.raises(ValueError, match="act: must be on a CUDA device"):
         gemm.gemm_w4a4(a.as_int8(), w, config=HopperPgConfig())
     with pytest.raises(ValueError, match="wgt: N=192 must be a multiple of 128"):
-        gemm.check(HopperPgConfig(), pg_problem(64, 192, 256))
+        jit.check(HopperPgConfig(), pg_problem(64, 192, 256))
     with pytest.raises(ValueError, match="K=149248 is too long for an exact int32 sum"):
         from w4a4_book.operands import check_int32_sum
         check_int32_sum(149248, "int4_pg", "int4_pg")
     with pytest.raises(ValueError, match="lora_rank=256"):
-        gemm.build(HopperPgConfig(), pg_problem(4352, 3072, 3840, 256))       # the 256-row tile leaves no room at R = 256
+        jit.build(HopperPgConfig(), pg_problem(4352, 3072, 3840, 256))       # the 256-row tile leaves no room at R = 256
 
 
 # ---------------------------------------------------------------- GPU
@@ -182,7 +182,7 @@ GRID = [  # M (tails, several tiles per CTA), N, K, R, out dtype, affine, cluste
     (4352, 3072, 3840, 32, torch.bfloat16, True, 2, 128, "smem"),
     (256, 3072, 3840, 32, torch.bfloat16, True, 1, 64, "smem"),     # the small-M tile
     (300, 512, 1024, 128, torch.float16, True, 2, 64, "smem"),
-    (4352, 3072, 3840, 32, torch.bfloat16, True, 1, 224, "smem"),   # the wave-fitting tiles (`gemm.tile_choice`)
+    (4352, 3072, 3840, 32, torch.bfloat16, True, 1, 224, "smem"),   # the wave-fitting tiles (`heuristics.tile_choice`)
     (1000, 3072, 3840, 128, torch.float16, True, 2, 224, "global"),
     (777, 3840, 1536, 0, torch.bfloat16, False, 1, 192, "smem"),
     (300, 512, 1024, 64, torch.bfloat16, True, 1, 160, "smem"),
@@ -247,13 +247,13 @@ def test_v1_matches_exact_reference(M, N, K, R, cluster_n, tile_m, vectors):
 @pytest.mark.gpu
 def test_v1_two_stages_and_several_m_through_one_kernel():
     cfg = HopperPgV1Config(stages=2, tile_m=128)             # two stages: every refill lands in the stage the next block waits on
-    before = len(gemm._compiled)
+    before = len(jit._compiled)
     for M in (1, 300, 4352):
         case = make_pg_case(M, 512, 2048, 32, seed=M)
         out = gemm.gemm_w4a4(*case, config=cfg)
         torch.cuda.synchronize()
         check_exact(out, case, torch.bfloat16)
-    assert len(gemm._compiled) - before == 1
+    assert len(jit._compiled) - before == 1
 
 
 def test_deferred_store_is_refused_where_it_has_no_place():
@@ -290,13 +290,13 @@ def test_w4a8_activations():
 @pytest.mark.gpu
 def test_one_compiled_kernel_serves_every_m():
     cfg = HopperPgConfig(epi_tile_m=64, epi_vectors="smem")   # a config no other test compiles; M tails clamp base_a
-    before = len(gemm._compiled)
+    before = len(jit._compiled)
     for M in (1, 17, 256, 300, 4352):
         case = make_pg_case(M, 512, 1024, 32, seed=M)
         out = gemm.gemm_w4a4(*case, config=cfg)
         torch.cuda.synchronize()
         check_exact(out, case, torch.bfloat16)
-    assert len(gemm._compiled) - before == 1
+    assert len(jit._compiled) - before == 1
 
 
 SK_GRID = [  # M, N, K, R: 256-row tiles on 132 CTAs; whole rounds, a cut last round, fewer tiles than CTAs, one K-block a run's piece

@@ -10,7 +10,7 @@ from torch import nn
 from w4a4_book.formats import dequantize, quantize, reciprocal
 from w4a4_book.layers import W4A4Linear, low_rank, smooth_factors
 from w4a4_book.reference import w4a4_gemm_ref
-from w4a4_book import gemm
+from w4a4_book import act_quant, gemm, registry
 from w4a4_book.smem import HopperV1Config, HopperV2Config
 
 FORMATS = ("int4", "nvfp4")
@@ -176,7 +176,7 @@ def test_dispatch_to_sm90_kernel(monkeypatch, version):
 
     def fake_gemm_w4a4(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=None, *, out_dtype, config):
         y32 = w4a4_gemm_ref(act, wgt, lora_act, lora_up, wcscales, bias)
-        calls.append(dict(out_dtype=out_dtype, version=gemm.spec_for(config).kernel, y32=y32))
+        calls.append(dict(out_dtype=out_dtype, version=registry.spec_for(config).kernel, y32=y32))
         return y32.to(out_dtype)
 
     def fake_quantize_lora_down(x, smooth, lora_down_t, fmt):
@@ -186,7 +186,7 @@ def test_dispatch_to_sm90_kernel(monkeypatch, version):
         return act, (x.float() @ lora_down_t.float().T).half()
 
     monkeypatch.setattr(gemm, "gemm_w4a4", fake_gemm_w4a4)
-    monkeypatch.setattr(gemm, "quantize_lora_down", fake_quantize_lora_down)
+    monkeypatch.setattr(act_quant, "quantize_lora_down", fake_quantize_lora_down)
     monkeypatch.setattr(W4A4Linear, "why_not_sm90", lambda self, x: None)
     lin, calib, x = outlier_problem()
     layer = W4A4Linear.from_linear(lin, rank=16, fmt="int4", act_sample=calib,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from w4a4_book import gemm, ops
+from w4a4_book import act_quant, cache, jit, ops, registry
 from w4a4_book.layers import W4A4Linear, quantize_model, save_quantized
 from w4a4_book.reference import w4a4_gemm_ref
 from w4a4_book.smem import HopperV2Config
@@ -366,7 +366,7 @@ def test_the_bound_path_computes_what_the_op_does(act_fmt):
                 x = torch.randn(M, 1024, device="cuda", dtype=torch.bfloat16)
                 op = torch.ops.w4a4.linear(*layer.op_args(x, "sm90"))
                 assert torch.equal(layer(x), op) and torch.equal(layer(x), op), (rank, M)   # built, then bound
-                assert gemm.kept(layer.qweight_data)["bound linear"][(M, x.dtype, x.device)].gemm is not None
+                assert cache.kept(layer.qweight_data)["bound linear"][(M, x.dtype, x.device)].gemm is not None
             x = torch.randn(300, 1024, device="cuda")
             assert torch.equal(layer(x), torch.ops.w4a4.linear(*layer.op_args(x, "sm90"))) and layer(x).dtype == torch.float32
             layer.smooth.mul_(1.5)
@@ -403,14 +403,13 @@ def test_layers_sharing_a_workspace_compute_what_the_unbound_path_does(act_fmt, 
 _CACHED_FORWARD = """
 import sys, torch
 from torch import nn
-from w4a4_book import gemm
 from w4a4_book.layers import W4A4Linear
 torch.manual_seed(0)
 layer = W4A4Linear.from_linear(nn.Linear(512, 256), rank=32, fmt="int4_pg").cuda()
 with torch.no_grad():
     y = layer(torch.randn(17, 512, generator=torch.Generator().manual_seed(1)).cuda().bfloat16())
 torch.save(y.cpu(), sys.argv[1])
-print(gemm.CACHE_STATS)
+print(jit.CACHE_STATS)
 """
 
 
@@ -419,7 +418,7 @@ print(gemm.CACHE_STATS)
 def test_a_new_process_loads_the_compiled_kernels_from_disk(tmp_path):
     "The first process compiles the layer's three kernels and saves them; a second loads all three and computes the same."
     import ast, os, subprocess, sys
-    env = {**os.environ, gemm.KERNEL_CACHE_ENV: str(tmp_path / "cache")}
+    env = {**os.environ, jit.KERNEL_CACHE_ENV: str(tmp_path / "cache")}
     runs = [subprocess.run([sys.executable, "-c", _CACHED_FORWARD, str(tmp_path / f"y{i}.pt")], env=env,
                            capture_output=True, text=True, timeout=400) for i in range(2)]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
@@ -442,7 +441,7 @@ class Launch(tuple):
 def stubbed_sm90(monkeypatch):
     """Run the sm90 path's host code on the CPU: the device checks pass, nothing compiles, and each "launch" records
     the torch tensors the compiled function would be called with. Returns the list of `Launch`es."""
-    from w4a4_book import gemm, operands
+    from w4a4_book import operands
     launches = []
     def compile_launchable(kernel, specs, dynamic_m, options=""):
         names = tuple(s.name for s in specs)
@@ -454,10 +453,11 @@ def stubbed_sm90(monkeypatch):
         return launch
     monkeypatch.setattr(operands, "check_devices", lambda *a, **k: None)
     monkeypatch.setattr(ops, "why_not_sm90", lambda *a, **k: None)
-    monkeypatch.setattr(gemm, "sm_count", lambda index: 132)
-    monkeypatch.setattr(gemm, "_compiled", {})
-    monkeypatch.setattr(gemm, "compile_launchable", compile_launchable)
-    monkeypatch.setenv(gemm.KERNEL_CACHE_ENV, "off")
+    for module in (jit, act_quant):                          # each asks the SM count through its own import
+        monkeypatch.setattr(module, "sm_count", lambda index: 132)
+    monkeypatch.setattr(jit, "_compiled", {})
+    monkeypatch.setattr(jit, "compile_launchable", compile_launchable)
+    monkeypatch.setenv(jit.KERNEL_CACHE_ENV, "off")
     return launches
 
 
@@ -507,15 +507,15 @@ def test_activation_launches_follow_the_layers_buffers(stubbed_sm90, fmt):
     layer, x = sm90_layer(fmt, M=8)
     first = quant_launches(stubbed_sm90, layer, x)
     assert len(first) == (2 if fmt == "int4_pg" else 1)
-    assert first[0].names == gemm.QUANT_ARGS and (fmt != "int4_pg" or first[1].names == gemm.ROW_CODES_ARGS)
+    assert first[0].names == act_quant.QUANT_ARGS and (fmt != "int4_pg" or first[1].names == act_quant.ROW_CODES_ARGS)
     for a, b in zip(first, quant_launches(stubbed_sm90, layer, x)):
         assert a[1] is b[1]                                              # 1/smooth: cached
-        if a.names == gemm.QUANT_ARGS:
+        if a.names == act_quant.QUANT_ARGS:
             assert a[2] is b[2]                                          # lora_downᵀ: cached
     def follows(lyr):
         for args in quant_launches(stubbed_sm90, lyr, x):
             assert torch.equal(args[1], reciprocal(lyr.smooth.float()))
-            if args.names == gemm.QUANT_ARGS:
+            if args.names == act_quant.QUANT_ARGS:
                 assert torch.equal(args[2], lyr.lora_down.t())
     with torch.no_grad():
         layer.smooth.mul_(2)
@@ -527,26 +527,24 @@ def test_activation_launches_follow_the_layers_buffers(stubbed_sm90, fmt):
 
 
 def test_derived_tensors_are_cached_per_buffer_version():
-    "`gemm.derived` remakes its tensor after an in-place write and for a new buffer, and never keeps one of an inference tensor."
-    from w4a4_book import gemm
+    "`cache.derived` remakes its tensor after an in-place write and for a new buffer, and never keeps one of an inference tensor."
     t, calls = torch.ones(4), []
     make = lambda s: calls.append(1) or s * 2
-    a = gemm.derived(t, "twice", make)
-    assert gemm.derived(t, "twice", make) is a and len(calls) == 1
-    assert gemm.derived(t, "other", make) is not a                # each `what` its own
+    a = cache.derived(t, "twice", make)
+    assert cache.derived(t, "twice", make) is a and len(calls) == 1
+    assert cache.derived(t, "other", make) is not a                # each `what` its own
     t.add_(1)
-    assert torch.equal(gemm.derived(t, "twice", make), torch.full((4,), 4.0))
-    assert torch.equal(gemm.derived(t.clone(), "twice", make), torch.full((4,), 4.0)) and len(calls) == 4
+    assert torch.equal(cache.derived(t, "twice", make), torch.full((4,), 4.0))
+    assert torch.equal(cache.derived(t.clone(), "twice", make), torch.full((4,), 4.0)) and len(calls) == 4
     with torch.inference_mode():
         inf = torch.ones(4)
-        assert not gemm.derived(t, "twice", make).is_inference()  # made outside inference mode: it has a counter
-        assert gemm.derived(inf, "twice", make) is not gemm.derived(inf, "twice", make)
-    assert gemm.constant(1.0, (3,), torch.float32, t.device) is gemm.constant(1.0, (3,), torch.float32, t.device)
+        assert not cache.derived(t, "twice", make).is_inference()  # made outside inference mode: it has a counter
+        assert cache.derived(inf, "twice", make) is not cache.derived(inf, "twice", make)
+    assert cache.constant(1.0, (3,), torch.float32, t.device) is cache.constant(1.0, (3,), torch.float32, t.device)
 
 
 def gemm_class(fmt):
-    from w4a4_book import gemm
-    return gemm.find_kernel(None, fmt).kernel_class()
+    return registry.find_kernel(None, fmt).kernel_class()
 
 
 @pytest.mark.parametrize("fmt", ["int4_pg", "int4"])
@@ -563,7 +561,7 @@ def test_host_time_per_stubbed_forward_is_reported(stubbed_sm90, fmt, capsys):
 
 
 def test_the_op_chooses_its_tile_for_the_batch():
-    "`w4a4::linear` builds its problem with the batch's M, so the default kernel's tile follows M (`gemm.tile_choice`)."
+    "`w4a4::linear` builds its problem with the batch's M, so the default kernel's tile follows M (`heuristics.tile_choice`)."
     from w4a4_book.operands import Problem
     def tile(M):
         p = Problem(M, 3072, 3840, 32, scale_dtype=torch.uint8, fmt="int4_pg")
@@ -581,7 +579,7 @@ def test_a_second_import_registers_the_op_again():
 
 
 def bound_plans(layer):
-    return gemm.kept(layer.qweight_data).get("bound linear", {})
+    return cache.kept(layer.qweight_data).get("bound linear", {})
 
 
 def test_the_bound_path_is_kept_per_m_and_rebuilt_when_a_buffer_changes(stubbed_sm90):
@@ -663,13 +661,13 @@ def test_the_activation_side_lives_in_a_workspace_per_thread_and_stream(stubbed_
         assert ptrs() == first                                         # another layer of the same shapes shares them
         gemm_codes = stubbed_sm90[-1][0]
         assert gemm_codes.data_ptr() == stubbed_sm90[-3][3].data_ptr()  # the GEMM reads the codes the passes wrote
-        rows = gemm.bind_quantize_rows(x, layer.smooth, None, fmt="int4_pg")
+        rows = act_quant.bind_quantize_rows(x, layer.smooth, None, fmt="int4_pg")
         a, b = rows(x), rows(x)
         assert a[0].data_ptr() != b[0].data_ptr() and a[0].shape == (16, 512) and a[0].dtype == torch.int8
         seen = []
-        t = threading.Thread(target=lambda: seen.append(gemm.stream_workspace(x.device, 64)[1].data_ptr()))
+        t = threading.Thread(target=lambda: seen.append(cache.stream_workspace(x.device, 64)[1].data_ptr()))
         t.start(); t.join()
-        assert seen[0] != gemm.stream_workspace(x.device, 64)[1].data_ptr()
+        assert seen[0] != cache.stream_workspace(x.device, 64)[1].data_ptr()
 
 
 def test_a_workspace_grows_and_its_old_views_are_not_reused(stubbed_sm90):
@@ -679,7 +677,7 @@ def test_a_workspace_grows_and_its_old_views_are_not_reused(stubbed_sm90):
     with torch.no_grad():
         layer(x)
         before = stubbed_sm90[-1][0].data_ptr()
-        _, big = gemm.stream_workspace(x.device, 1 << 22)
+        _, big = cache.stream_workspace(x.device, 1 << 22)
         layer(x)
     (plan,) = bound_plans(layer).values()
     assert stubbed_sm90[-1][0].data_ptr() == big.data_ptr() + plan.quantize.offsets[-2]        # codes: the last buffer
@@ -692,10 +690,10 @@ def test_a_thread_keeps_a_bounded_number_of_stream_workspaces():
     import threading
     spaces = {}
     def fill():
-        gemm._WORKSPACES.spaces = {((torch.device("cpu"), s, threading.get_ident())): torch.empty(1, dtype=torch.uint8)
-                                   for s in range(1, gemm.MAX_STREAM_WORKSPACES + 1)}
-        gemm.stream_workspace(torch.device("cpu"), 8)              # the CPU's stream 0: a new one
-        spaces.update(gemm._WORKSPACES.spaces)
+        cache._WORKSPACES.spaces = {((torch.device("cpu"), s, threading.get_ident())): torch.empty(1, dtype=torch.uint8)
+                                   for s in range(1, cache.MAX_STREAM_WORKSPACES + 1)}
+        cache.stream_workspace(torch.device("cpu"), 8)              # the CPU's stream 0: a new one
+        spaces.update(cache._WORKSPACES.spaces)
     t = threading.Thread(target=fill)
     t.start(); t.join()
-    assert len(spaces) == gemm.MAX_STREAM_WORKSPACES and [k[1] for k in spaces][-1] == 0 and 1 not in [k[1] for k in spaces]
+    assert len(spaces) == cache.MAX_STREAM_WORKSPACES and [k[1] for k in spaces][-1] == 0 and 1 not in [k[1] for k in spaces]

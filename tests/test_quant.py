@@ -4,7 +4,7 @@ import re
 import pytest
 import torch
 
-from w4a4_book import gemm
+from w4a4_book import act_quant, cache, heuristics, jit
 from w4a4_book.operands import check_quant_inputs
 from w4a4_book.kernels.sm90_quant import G, MAX_RANK, VEC, QuantLoraDown, RowCodes
 from w4a4_book.formats import quantize, reciprocal
@@ -32,12 +32,12 @@ def test_bad_arguments_are_named(kw, msg):
 
 def test_cpu_tensors_are_refused_before_any_launch():
     with pytest.raises(ValueError, match="x: must be on a CUDA device"):
-        gemm.quantize_lora_down(bf16(64, 512))
+        act_quant.quantize_lora_down(bf16(64, 512))
 
 
 @pytest.mark.parametrize("R", [0, 32, 128])
 def test_compiles_for_sm90a_with_exact_arithmetic(R):
-    ptx, _ = gemm.compile_quant(M=300, K=1024, R=R)
+    ptx, _ = act_quant.compile_quant(M=300, K=1024, R=R)
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == (4 if R else 0)
     assert len(re.findall(r"cvt\.rni\.s32\.f32", ptx)) == 32 and not re.search(r"div\.approx", ptx)
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == (4 if R else 2)
@@ -64,7 +64,7 @@ def test_exact_against_quantize(M, K, R, dt, smooth):
     x[:, 5] *= 40                                                    # an outlier channel
     lam = (torch.rand(K, device="cuda", generator=g) + 0.5).to(dt) if smooth else None
     down = (torch.randn(K, R, device="cuda", generator=g) / K ** 0.5).to(dt) if R else None
-    act, lora_act = gemm.quantize_lora_down(x, lam, down.T.contiguous() if R else None)
+    act, lora_act = act_quant.quantize_lora_down(x, lam, down.T.contiguous() if R else None)
     torch.cuda.synchronize()
     xs = x.float() * reciprocal(lam.float()) if smooth else x.float()
     ref = quantize(xs, "int4", dt)
@@ -86,15 +86,15 @@ def test_exact_against_quantize(M, K, R, dt, smooth):
 def test_k_splits_fill_the_gpu():
     """Enough shares of K for `ctas_per_sm` CTAs per SM (default four), each share a whole number of K-blocks, and no
     fewer than four K-blocks a share while one CTA an SM remains; one share when rows suffice."""
-    assert gemm.k_splits(68, 60, 132, 2) == 4     # M=4352, two CTAs per SM: 272 CTAs
-    assert gemm.k_splits(68, 60, 132) == 10       # the default, four per SM: 680 CTAs
-    assert gemm.k_splits(4, 240, 132, 2) == 60    # M=256, K=15360: 66 wanted, but shares of at least 4 K-blocks: 60
-    assert gemm.k_splits(4, 160, 132) == 40       # M=256, K=10240: 132 wanted, 40 shares of 4 K-blocks (160 CTAs)
-    assert gemm.k_splits(4, 60, 132) == 60        # M=256, K=3840: 15 shares would leave SMs idle; 33 wanted, 60 divides
-    assert gemm.k_splits(16, 60, 132) == 15       # M=1024, K=3840: 33 wanted, 15 shares of 4 K-blocks (240 CTAs)
-    assert gemm.k_splits(1, 2, 132, 2) == 2       # K shorter than wanted: every K-block its own CTA
-    assert gemm.k_splits(300, 60, 132, 2) == 1
-    assert gemm.k_splits(300, 60, 132) == 2       # 300 row tiles, four CTAs per SM wanted: 2 shares
+    assert heuristics.k_splits(68, 60, 132, 2) == 4     # M=4352, two CTAs per SM: 272 CTAs
+    assert heuristics.k_splits(68, 60, 132) == 10       # the default, four per SM: 680 CTAs
+    assert heuristics.k_splits(4, 240, 132, 2) == 60    # M=256, K=15360: 66 wanted, but shares of at least 4 K-blocks: 60
+    assert heuristics.k_splits(4, 160, 132) == 40       # M=256, K=10240: 132 wanted, 40 shares of 4 K-blocks (160 CTAs)
+    assert heuristics.k_splits(4, 60, 132) == 60        # M=256, K=3840: 15 shares would leave SMs idle; 33 wanted, 60 divides
+    assert heuristics.k_splits(16, 60, 132) == 15       # M=1024, K=3840: 33 wanted, 15 shares of 4 K-blocks (240 CTAs)
+    assert heuristics.k_splits(1, 2, 132, 2) == 2       # K shorter than wanted: every K-block its own CTA
+    assert heuristics.k_splits(300, 60, 132, 2) == 1
+    assert heuristics.k_splits(300, 60, 132) == 2       # 300 row tiles, four CTAs per SM wanted: 2 shares
 
 
 def int8_lane_case(M, K, R, dt, smooth, seed):
@@ -131,7 +131,7 @@ def check_int8_lanes(codes, base, lora_act, x, lam, down, fmt):
 def test_int8_lanes_exact_against_quantize(fmt, M, K, R, dt, smooth):
     "The two-pass activation kernel writes `quantize(x / smooth, fmt)` bit for bit: the int8 lanes and every row's base."
     x, lam, down = int8_lane_case(M, K, R, dt, smooth, 1)
-    act, lora_act = gemm.quantize_lora_down(x, lam, down.T.contiguous() if R else None, fmt=fmt)
+    act, lora_act = act_quant.quantize_lora_down(x, lam, down.T.contiguous() if R else None, fmt=fmt)
     assert act.fmt == fmt and act.packing == "int8"
     check_int8_lanes(act.data, act.base, lora_act, x, lam, down, fmt)
 
@@ -142,7 +142,7 @@ def test_int4_pg_exact_where_u_is_divided():
     (the second pass divides there, `group_u`) and groups past it (it multiplies): bit for bit `quantize`'s codes."""
     from w4a4_book.kernels.sm90_quant import FAST_U_MARGIN
     x, lam, down = int8_lane_case(4352, 3840, 32, torch.bfloat16, True, 2)
-    act, lora_act = gemm.quantize_lora_down(x, lam, down.T.contiguous(), fmt="int4_pg")
+    act, lora_act = act_quant.quantize_lora_down(x, lam, down.T.contiguous(), fmt="int4_pg")
     xs = x.float() * reciprocal(lam.float())
     amax = xs.abs().view(4352, -1, G).amax(-1)
     q = (amax / 7) / act.base[:, None].clamp_min(torch.finfo(torch.float32).tiny)
@@ -154,7 +154,7 @@ def test_int4_pg_exact_where_u_is_divided():
 @pytest.mark.parametrize("mode", ["pg_rowmax", "int4_pg", "int8"])
 def test_int8_lane_passes_compile_with_exact_arithmetic(mode):
     "The first pass (QuantLoraDown, pg_rowmax) and the second (RowCodes, per format): exact rounding, 16-byte loads."
-    ptx, _ = gemm.compile_quant(M=300, K=1024, R=32, mode=mode)
+    ptx, _ = act_quant.compile_quant(M=300, K=1024, R=32, mode=mode)
     assert not re.search(r"div\.approx", ptx)
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == (4 if mode == "pg_rowmax" else 0)   # the LoRA product rides the first pass
     # int4_pg: u by two multiplies and ROUNDER a trip (one lane of a group's eight computes each), the divisions and their one
@@ -189,12 +189,12 @@ def test_row_codes_refuses_what_it_cannot_write():
     with pytest.raises(ValueError, match="fmt='int4'"):
         RowCodes("int4")
     with pytest.raises(ValueError, match="mode: 'pg_quant'"):
-        gemm.compile_quant(mode="pg_quant")
+        act_quant.compile_quant(mode="pg_quant")
 
 
 def test_activation_formats_are_checked():
     with pytest.raises(ValueError, match="fmt: 'nvfp4': the activation kernel writes one of"):
-        gemm.quantize_lora_down(bf16(64, 512), fmt="nvfp4")
+        act_quant.quantize_lora_down(bf16(64, 512), fmt="nvfp4")
 
 
 @pytest.mark.gpu
@@ -205,14 +205,14 @@ def test_one_compiled_kernel_per_pass_serves_every_m(fmt):
     g = torch.Generator(device="cuda").manual_seed(7)
     lam = (torch.rand(K, device="cuda", generator=g) + 0.5).bfloat16()
     ldt = (torch.randn(R, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
-    sig = (K, R, torch.bfloat16, True, gemm.ACT_STAGES, K // G)                  # the compile keys of this test's passes
-    mine = lambda: [k for k in gemm._compiled if k[0][1:] == sig and k[1] == dev.index]
+    sig = (K, R, torch.bfloat16, True, heuristics.ACT_STAGES, K // G)                  # the compile keys of this test's passes
+    mine = lambda: [k for k in jit._compiled if k[0][1:] == sig and k[1] == dev.index]
     for key in mine():                                                               # compiled afresh here, whatever ran before
-        del gemm._compiled[key]
+        del jit._compiled[key]
     for M in (1, 17, 256, 1024):
-        assert gemm.k_splits(-(-M // 64), K // G, gemm.sm_count(dev.index)) == K // G   # one share count for all four
+        assert heuristics.k_splits(-(-M // 64), K // G, cache.sm_count(dev.index)) == K // G   # one share count for all four
         x = (torch.randn(M, K, device="cuda", generator=g) * 3).bfloat16()
-        act, lora_act = gemm.quantize_lora_down(x, lam, ldt, fmt=fmt)
+        act, lora_act = act_quant.quantize_lora_down(x, lam, ldt, fmt=fmt)
         ref = quantize(x.float() * reciprocal(lam.float()), fmt, torch.bfloat16 if fmt == "int4" else None)
         ref = ref.as_int8() if fmt == "int4_pg" else ref
         assert torch.equal(act.data, ref.data), M
@@ -235,26 +235,26 @@ def test_one_pass_exact_against_quantize(fmt, M, K, R, dt, smooth, cluster):
     "The one-pass kernel (a cluster per row tile) writes `quantize(x / smooth, fmt)` bit for bit, and lora_act to its rounding."
     x, lam, down = int8_lane_case(M, K, R, dt, smooth, 2)
     ldt = down.T.contiguous() if R else None
-    codes, base, lora_act = gemm.quantize_rows_one_pass(x, lam, ldt, fmt=fmt, cluster=cluster)
+    codes, base, lora_act = act_quant.quantize_rows_one_pass(x, lam, ldt, fmt=fmt, cluster=cluster)
     check_int8_lanes(codes, base, lora_act, x, lam, down, fmt)
     if R:
-        again = gemm.quantize_rows_one_pass(x, lam, ldt, fmt=fmt, cluster=cluster)[2]
+        again = act_quant.quantize_rows_one_pass(x, lam, ldt, fmt=fmt, cluster=cluster)[2]
         assert torch.equal(again, lora_act)                          # a fixed order of summation: the same every run
 
 
 def test_one_pass_smem_is_the_kernels_and_bad_clusters_are_refused():
     "`one_pass_smem` is the kernel's storage, byte for byte; a cluster that cannot hold its shares is refused before a launch."
     for K, R, c, fmt in [(3840, 32, 6, "int4_pg"), (3840, 0, 4, "int8"), (1024, 128, 2, "int4_pg")]:
-        ptx, smem = gemm.compile_quant(M=300, K=K, R=R, k_splits=c, mode=f"one_pass_{fmt}")
+        ptx, smem = act_quant.compile_quant(M=300, K=K, R=R, k_splits=c, mode=f"one_pass_{fmt}")
         assert "mapa.shared::cluster" in ptx and "barrier.cluster.arrive" in ptx and not re.search(r"div\.approx", ptx)
-        assert smem == gemm.one_pass_smem(K, R, c), (K, R, c, smem)
-    assert (gemm.one_pass_cluster(3840, 32), gemm.one_pass_cluster(15360, 32), gemm.one_pass_cluster(10240, 128)) == (4, 15, None)
-    assert gemm.compile_quant(M=4352, K=3840, R=32, k_splits=10, mode="pg_rowmax")[1] == 52224   # two passes: no cluster, no maxima
+        assert smem == act_quant.one_pass_smem(K, R, c), (K, R, c, smem)
+    assert (act_quant.one_pass_cluster(3840, 32), act_quant.one_pass_cluster(15360, 32), act_quant.one_pass_cluster(10240, 128)) == (4, 15, None)
+    assert act_quant.compile_quant(M=4352, K=3840, R=32, k_splits=10, mode="pg_rowmax")[1] == 52224   # two passes: no cluster, no maxima
     with pytest.raises(ValueError, match="one pass holds all K/64=60 K-blocks"):
-        gemm.compile_quant(M=4352, K=3840, R=32, k_splits=10, mode="pg_rowmax") and QuantLoraDown(32, 5, True, 10, mode="int4_pg").make_storage(None, None, None, 3840)
+        act_quant.compile_quant(M=4352, K=3840, R=32, k_splits=10, mode="pg_rowmax") and QuantLoraDown(32, 5, True, 10, mode="int4_pg").make_storage(None, None, None, 3840)
     x = bf16(64, 3840)
     for bad in (7, 1, 32, 2):                                        # 7 ∤ 60; 1 and 32 outside [2, 16]; 2: 30 K-blocks do not fit
         with pytest.raises(ValueError, match="cluster: "):
-            gemm.quantize_rows_one_pass(x, fmt="int4_pg", cluster=bad)
+            act_quant.quantize_rows_one_pass(x, fmt="int4_pg", cluster=bad)
     with pytest.raises(ValueError, match="fmt: 'int4': one pass writes int4_pg or int8"):
-        gemm.quantize_rows_one_pass(x, fmt="int4")
+        act_quant.quantize_rows_one_pass(x, fmt="int4")

@@ -8,7 +8,7 @@ import torch
 from matplotlib.figure import Figure
 from dataclasses import replace
 
-from w4a4_book import gemm, records, repro, smem, sweep
+from w4a4_book import records, repro, smem, sweep, heuristics, jit, registry, gemm
 from w4a4_book.bench import timing, workloads
 from w4a4_book.cli import main, parser
 from w4a4_book.operands import Problem
@@ -107,11 +107,11 @@ def test_find_moves_finds_the_original_move():
 def test_move_configs_compile_with_the_solvers_storage(config, R):
     "Each measured move compiles for sm_90a on the CPU, under both accountings, with the solver's struct and stages."
     from test_kernels_pg import check_compiled
-    spec = gemm.spec_for(config)
-    p = gemm.example_problem(spec, 4352, 3072, 3840, R)
+    spec = registry.spec_for(config)
+    p = jit.example_problem(spec, 4352, 3072, 3840, R)
     got = {}
     for acct in (repro.BUG, repro.FIX):
-        rep = gemm.compile_kernel(replace(config, lora_accounting=acct), p)
+        rep = jit.compile_kernel(replace(config, lora_accounting=acct), p)
         assert rep.smem_bytes == rep.budget.allocated
         got[acct] = rep.budget.stages["main"]
         if spec.fmt == "int4_pg":
@@ -152,8 +152,8 @@ def test_recorded_lora_bug_is_consistent():
         for r in rows:
             # the stage count the record names is the one the solver gives for that problem, kernel and mode (0: none fits)
             cfg = repro.row_config(r)
-            p = gemm.example_problem(gemm.spec_for(cfg), r["M"], r["N"], r["K"], r["R"])
-            solved = repro._main_stages(gemm.bind(cfg, p), k=r["K"])[0]
+            p = jit.example_problem(registry.spec_for(cfg), r["M"], r["N"], r["K"], r["R"])
+            solved = repro._main_stages(heuristics.bind(cfg, p), k=r["K"])[0]
             if r.get("forced"):                      # a depth-sweep point: a stage count the solver's choice allows
                 assert 1 <= r["main_stages"] <= solved and "fixed_over_bug" not in r, (path.name, r)
             else:
@@ -207,8 +207,8 @@ def test_recorded_sweeps_are_consistent():
             v, M, N, K, R, cn, fmt, _ = key
             assert [M, N, K, R] in prov["shapes"], (path.name, key)
             config = sweep.curve_config(key)          # the recorded `version` is the kernel's registry name
-            assert (gemm.spec_for(config).kernel, gemm.cluster_size(config), gemm.spec_for(config).fmt) == (v, cn, fmt)
-            assert sorted(c) == list(range(sweep.min_stages(config), sweep.max_stages(config, gemm.example_problem(gemm.spec_for(config), M, N, K, R)) + 1)), (path.name, key)
+            assert (registry.spec_for(config).kernel, heuristics.cluster_size(config), registry.spec_for(config).fmt) == (v, cn, fmt)
+            assert sorted(c) == list(range(sweep.min_stages(config), sweep.max_stages(config, jit.example_problem(registry.spec_for(config), M, N, K, R)) + 1)), (path.name, key)
             assert all(math.isclose(r["mfu"], r["tflops"] / peak, rel_tol=1e-9) for r in c.values())
 
 
@@ -259,7 +259,7 @@ def test_plot_move_marks_the_original_move_on_the_recorded_curve(tmp_path):
     rows = [r for p, _, rs in _records("sweep_stages") if "int4_pg" in p.name for r in rs]
     key = next(k for k in sweep.curves(rows) if k[5] == 2 and k[7] == repro.LORA_MOVE_CONFIG.tile_m)
     cfg = repro.LORA_MOVE_CONFIG
-    move = sweep.solver_marks(cfg, gemm.example_problem(gemm.spec_for(cfg), *key[1:5]))
+    move = sweep.solver_marks(cfg, jit.example_problem(registry.spec_for(cfg), *key[1:5]))
     assert move == {"per_cta": 4, "pair": 2} and set(move.values()) <= set(sweep.curves(rows)[key])
     pub = [(v[3], v[2], f"L = {v[0]}") for v in (records.citations()[f]["values"] for f in repro.PUBLISHED_SWEEP)]
     fig = sweep.plot_move(rows, key, move, pub, path=tmp_path / "move.png")
@@ -314,7 +314,7 @@ def test_recorded_sweep_commands_still_parse():
     for path, prov, rows in _records("sweep_stages"):
         args = parser("sweep-stages").parse_args(records.remeasure(prov).split()[1:])
         assert {r.get("fmt", "int4") for r in rows} == {args.fmt}, path.name
-        assert [gemm.find_kernel(v, args.fmt).kernel for v in args.versions] == args.versions, path.name
+        assert [registry.find_kernel(v, args.fmt).kernel for v in args.versions] == args.versions, path.name
 
 
 def test_sweep_command_names_its_format():
@@ -323,7 +323,7 @@ def test_sweep_command_names_its_format():
         args = parser("sweep-stages").parse_args(["sweep-stages", *argv])
         cmd = sweep.command(args, ["v2"])
         assert f"--fmt {args.fmt}" in cmd and parser("sweep-stages").parse_args(cmd.split()[1:]).fmt == args.fmt
-    assert parser("sweep-stages").parse_args(["sweep-stages"]).fmt == gemm.DEFAULT_FMT == "int4_pg"
+    assert parser("sweep-stages").parse_args(["sweep-stages"]).fmt == registry.DEFAULT_FMT == "int4_pg"
 
 
 # ---------------------------------------------------------------- the GPU path, with the GPU faked
@@ -345,7 +345,7 @@ def test_measure_lora_bug_rows_with_a_fake_gpu(fake_gpu):
     ms = {repro.BUG: 2.0, repro.FIX: 1.0}
 
     def fake_launcher(*ops, out_dtype, config):
-        assert (gemm.spec_for(config).kernel, config.cluster_n) == ("v2", 2)
+        assert (registry.spec_for(config).kernel, config.cluster_n) == ("v2", 2)
         assert replace(config, lora_accounting=repro.FIX) == repro.LORA_BUG_CONFIG   # only the accounting differs
         out = torch.empty(ops[0].rows, ops[1].rows, dtype=out_dtype)
         def launch(): out.copy_(w4a4_gemm_ref(*ops))
@@ -368,7 +368,7 @@ def test_accounting_modes_match_reference():
     from test_kernels import check_against_ref, make_case
     M, N, K, R = 300, 1024, 1024, 128
     configs = {a: replace(repro.LORA_BUG_CONFIG, lora_accounting=a) for a in (repro.BUG, repro.FIX)}
-    stages = {a: smem.solve(gemm.bind(c, Problem(M, N, K, R)), k=K).stages["main"] for a, c in configs.items()}
+    stages = {a: smem.solve(heuristics.bind(c, Problem(M, N, K, R)), k=K).stages["main"] for a, c in configs.items()}
     assert stages == {"per_cta": 3, "pair": 1}
     case = make_case(M, N, K, R, seed=6)
     for acct, config in configs.items():

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import w4a4_book.gemm as gemm
+import w4a4_book.heuristics as heuristics
+import w4a4_book.registry as registry
 import w4a4_book.smem as smem
 from w4a4_book.formats import quantize
 from w4a4_book.operands import Problem, check_problem
@@ -121,9 +123,9 @@ def reports():
     import os, pickle, tempfile
     configs = [((cg, R, a), _cfg(cg, lora_accounting=a), R) for cg, R, a in COMPILES]
     configs += [(("v2", *key), _v2_config(*key), key[1]) for key in COMPILES_V2]
-    code = ("import pickle, sys; import w4a4_book.gemm as g; out = {}\n"
+    code = ("import pickle, sys; import w4a4_book.jit as j, w4a4_book.registry as r; out = {}\n"
             "for key, c, R in pickle.load(open(sys.argv[1], 'rb')):\n"
-            "    out[key] = g.compile_kernel(c, g.example_problem(g.spec_for(c), 4352, 3072, 3840, R))\n"
+            "    out[key] = j.compile_kernel(c, j.example_problem(r.spec_for(c), 4352, 3072, 3840, R))\n"
             "pickle.dump(out, open(sys.argv[2], 'wb'))")
     with tempfile.TemporaryDirectory() as d:
         src, dst = os.path.join(d, "in.pkl"), os.path.join(d, "out.pkl")
@@ -137,7 +139,7 @@ def reports():
 @pytest.mark.parametrize("cg, R, acct", COMPILES)
 def test_compiled_storage_equals_solver(reports, cg, R, acct):
     rep = reports[cg, R, acct]
-    want = smem.solve(gemm.bind(_cfg(cg, lora_accounting=acct), rep.problem), k=rep.problem.K)
+    want = smem.solve(heuristics.bind(_cfg(cg, lora_accounting=acct), rep.problem), k=rep.problem.K)
     assert rep.smem_bytes == want.allocated == rep.budget.allocated
     assert rep.budget.stages == want.stages
     if acct == "per_cta": assert want.total == want.allocated
@@ -193,16 +195,16 @@ def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match="^lora_act"):
         check_problem(req, Problem(256, 256, 512, 32, lora_dtype=torch.float16, **nv))
     with pytest.raises(ValueError, match="^fmt"):
-        gemm.find_kernel("v1", "int4_pg", "sm_100a")
+        registry.find_kernel("v1", "int4_pg", "sm_100a")
     with pytest.raises(ValueError, match="^fmt"):
-        gemm.find_kernel("v1", "nvfp4", "sm_90a")
+        registry.find_kernel("v1", "nvfp4", "sm_90a")
     assert req.capability == (10, 0)
 
 
 def test_not_a_default():
-    assert all(arch != "sm_100a" for arch, _ in gemm.DEFAULTS)
+    assert all(arch != "sm_100a" for arch, _ in registry.DEFAULTS)
     with pytest.raises(ValueError, match="^fmt"):
-        gemm.default_config("nvfp4")
+        registry.default_config("nvfp4")
 
 
 def test_cpu_tensors_rejected_before_launch():
@@ -272,7 +274,7 @@ def test_v2_scheduler_covers_every_tile_once():
 def test_v2_compiled_storage_equals_solver(reports, key):
     "The compiled SharedStorage is the solver's, in both LoRA accountings (pair: the charged total exceeds it)."
     rep = reports[("v2", *key)]
-    want = smem.solve(gemm.bind(_v2_config(*key), rep.problem), k=rep.problem.K)
+    want = smem.solve(heuristics.bind(_v2_config(*key), rep.problem), k=rep.problem.K)
     assert rep.smem_bytes == want.allocated == rep.budget.allocated
     assert rep.budget.stages == want.stages
     assert (want.total == want.allocated) == (key[2] == "per_cta" or key[1] == 0)
@@ -314,9 +316,9 @@ def test_v2_ptxas_where_available(reports, key):
 
 
 def test_v2_is_registered_opt_in():
-    spec = gemm.find_kernel("v2", "nvfp4", "sm_100a")
+    spec = registry.find_kernel("v2", "nvfp4", "sm_100a")
     assert (spec.config, spec.cls, spec.mainloop) == (smem.Sm100V2Config, "W4A4GemmSm100V2", "block_scaled")
-    assert all(arch != "sm_100a" for arch, _ in gemm.DEFAULTS)
+    assert all(arch != "sm_100a" for arch, _ in registry.DEFAULTS)
 
 
 def test_v2_bad_input_names_the_argument():

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from w4a4_book import gemm
+from w4a4_book import act_quant, gemm, heuristics, jit, registry
 from w4a4_book.operands import Problem
 from w4a4_book.records import data_dir, list_records, load_record
 from w4a4_book.smem import HopperV1Config, HopperV2Config
@@ -79,8 +79,8 @@ def test_source_samples_by_role():
 
 def test_roles_come_from_the_kernel():
     "v2's role names and warp counts are its WarpRoles'; v1 is one role of all its warps."
-    v2, _ = gemm.build(HopperV2Config(), Problem(256, 256, 256, 16))
-    v1, _ = gemm.build(HopperV1Config(), Problem(256, 256, 256, 16))
+    v2, _ = jit.build(HopperV2Config(), Problem(256, 256, 256, 16))
+    v1, _ = jit.build(HopperV1Config(), Problem(256, 256, 256, 16))
     r = v2.roles
     assert ncu_stalls.kernel_roles(v2) == {r.load_regs: ("load", 4), r.decode_regs: ("decode", 4), r.mma_regs: ("mma", 8)}
     assert ncu_stalls.kernel_roles(v1) == {None: ("all", 8)}
@@ -91,7 +91,7 @@ def test_kernel_is_a_registry_name():
     assert ncu_stalls.kernel_config("v1")[1] == HopperV1Config()
     assert ncu_stalls.kernel_config("v2")[1] == HopperV2Config()
     spec, config = ncu_stalls.kernel_config(None)
-    assert spec.kernel == gemm.find_kernel(fmt="int4").kernel and config == gemm.default_config("int4")   # the tool's int4
+    assert spec.kernel == registry.find_kernel(fmt="int4").kernel and config == registry.default_config("int4")   # the tool's int4
     with pytest.raises(ValueError, match="kernel"):
         ncu_stalls.kernel_config("v3")
 
@@ -99,8 +99,8 @@ def test_kernel_is_a_registry_name():
 def test_int4_pg_kernel_and_roles():
     "`--fmt int4_pg` names the exact-integer kernel with the tile the library picks for the shape; it has no decode role."
     spec, config = ncu_stalls.kernel_config(None, "int4_pg", (4352, 3072, 10240, 128))
-    assert spec.fmt == "int4_pg" and config == gemm.default_config("int4_pg", problem=gemm.example_problem(spec, 4352, 3072, 10240, 128))
-    kern, _ = gemm.build(config, gemm.example_problem(spec, 4352, 3072, 10240, 128))
+    assert spec.fmt == "int4_pg" and config == registry.default_config("int4_pg", problem=jit.example_problem(spec, 4352, 3072, 10240, 128))
+    kern, _ = jit.build(config, jit.example_problem(spec, 4352, 3072, 10240, 128))
     r = kern.roles
     assert ncu_stalls.kernel_roles(kern) == {r.load_regs: ("load", r.first_worker_warp), r.mma_regs: ("mma", len(r.mma_warps))}
     a = ncu_stalls.parser().parse_args(["--fmt", "int4_pg", "--out", "x.json"])
@@ -125,7 +125,7 @@ def test_grid_matches_the_recorded_roles():
     for v in ("v1", "v2"):
         prov, _ = load_record(data_dir() / f"ncu_roles_h200_{v}.json")
         M, N, K, R = prov["shapes"][0]
-        kern, _ = gemm.build(ncu_stalls.kernel_config(prov["version"])[1], Problem(M, N, K, R), gemm.DEFAULT_NUM_SMS)
+        kern, _ = jit.build(ncu_stalls.kernel_config(prov["version"])[1], Problem(M, N, K, R), heuristics.DEFAULT_NUM_SMS)
         ctas = ncu_stalls.launched_ctas(kern, M, N)
         assert ctas == prov["ctas"], v
         assert -(-M // kern.bm) * (N // kern.bn) * (K // kern.bk) / ctas == prov["k_blocks_per_cta"], v
@@ -200,9 +200,9 @@ def test_gpu_checks_cover_every_registered_sm90_kernel():
     cases = gpu_checks.gemm_cases()
     for config, R in cases.values():
         smem.check_config(config)
-    registered = {s.key for s in gemm.REGISTRY.values() if s.arch == "sm_90a"}
-    assert {gemm.spec_for(c).key for c, _ in cases.values()} == registered
-    assert set(gpu_checks.ACTIVATION_CASES.values()) == set(gemm.ACTIVATION_FORMATS)
+    registered = {s.key for s in registry.REGISTRY.values() if s.arch == "sm_90a"}
+    assert {registry.spec_for(c).key for c, _ in cases.values()} == registered
+    assert set(gpu_checks.ACTIVATION_CASES.values()) == set(act_quant.ACTIVATION_FORMATS)
 
 
 def test_gpu_checks_parse_sanitizer_and_junit(tmp_path):

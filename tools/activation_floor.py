@@ -18,7 +18,7 @@ def main(argv=None):
     "Measure, print and save the record."
     a = record_cli.parse(__doc__, argv, **OPTIONS)
     import torch
-    from w4a4_book import gemm
+    from w4a4_book import act_quant, cache, heuristics
     from w4a4_book.bench.layer import _activation_inputs, activation_bytes, copy_bandwidth
     from w4a4_book.bench.timing import time_cuda
     from w4a4_book.records import provenance, save_record
@@ -28,9 +28,9 @@ def main(argv=None):
     rows.append(dict(piece="one_tiny_kernel", M=0, K=0, R=R, bytes=0, **floor, timing="graph"))
     for M, K in SHAPES:
         x, smooth, ldt = _activation_inputs(M, K, R)
-        bound = gemm.bind_quantize_rows(x, smooth, ldt, fmt="int4_pg")
+        bound = act_quant.bind_quantize_rows(x, smooth, ldt, fmt="int4_pg")
         rowmax, partial, base, lora_act, _, codes32 = bound._tensors(x.device, False)
-        splits = gemm.k_splits(-(-M // 64), K // 64, gemm.sm_count(torch.cuda.current_device()))
+        splits = heuristics.k_splits(-(-M // 64), K // 64, cache.sm_count(torch.cuda.current_device()))
         nbytes = activation_bytes(M, K, R, "int4_pg", splits)
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)

@@ -66,14 +66,14 @@ def patch_decode(variant: str) -> None:
 def measure(variant: str, iters: int, rounds: int) -> list:
     "This process: `variant` and the stock GEMM on every shape, the best of `rounds` interleaved medians each."
     import torch
-    from w4a4_book import gemm
+    from w4a4_book import heuristics, registry, gemm
     from w4a4_book.bench.workloads import make_workload, check_gemm_operands, stock_int8_gemm
     from w4a4_book.bench.timing import time_cuda
     patch_decode(variant)
     rows = []
     for M, N, K in SHAPES:
         w = make_workload(M, N, K, 16, fmt="int4_pg", out_dtype=torch.float16)
-        cfg = gemm.tile_choice(gemm.default_config("int4_pg"), check_gemm_operands(w.act, w.wgt, out_dtype=torch.float16))
+        cfg = heuristics.tile_choice(registry.default_config("int4_pg"), check_gemm_operands(w.act, w.wgt, out_dtype=torch.float16))
         launch, _ = gemm.gemm_launcher(w.act, w.wgt, out_dtype=torch.float16, config=cfg)
         fns = {"cute_int8_gemm": stock_int8_gemm(w), variant: launch}
         best = {k: float("inf") for k in fns}

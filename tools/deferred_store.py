@@ -16,8 +16,8 @@ SHAPES = ((4352, 3072, 3840), (4352, 15360, 3840), (4352, 3072, 10240), (4352, 3
 def configs(M, N, K, R):
     "`{name: config}`: the library's tile storing each tile before the next K-loop, and the same with `epi_deferred`."
     from dataclasses import replace
-    from w4a4_book import gemm
-    lib = gemm.default_config("int4_pg", problem=gemm.example_problem(gemm.find_kernel(None, "int4_pg"), M, N, K, R))
+    from w4a4_book import jit, registry
+    lib = registry.default_config("int4_pg", problem=jit.example_problem(registry.find_kernel(None, "int4_pg"), M, N, K, R))
     return dict(w4a4_pg=replace(lib, epi_deferred=False), w4a4_pg_deferred=replace(lib, epi_deferred=True))
 
 

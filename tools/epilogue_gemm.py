@@ -19,18 +19,18 @@ RINGS = ((224, 32, 2), (224, 112, 1), (224, 112, 2), (208, 16, 4), (256, 32, 2),
 
 def configs(M, N, K, R):
     """`{name: (config, main stages)}` of the library's tile and of each of `RINGS` whose budget fits and whose grid
-    takes as many rounds of `gemm.DEFAULT_NUM_SMS` as the library's."""
+    takes as many rounds of `heuristics.DEFAULT_NUM_SMS` as the library's."""
     from dataclasses import replace
-    from w4a4_book import gemm, smem
-    lib = gemm.default_config("int4_pg", problem=gemm.example_problem(gemm.find_kernel(None, "int4_pg"), M, N, K, R))
-    p = gemm.example_problem(gemm.find_kernel(None, "int4_pg"), M, N, K, R)
+    from w4a4_book import smem, heuristics, jit, registry
+    lib = registry.default_config("int4_pg", problem=jit.example_problem(registry.find_kernel(None, "int4_pg"), M, N, K, R))
+    p = jit.example_problem(registry.find_kernel(None, "int4_pg"), M, N, K, R)
     out = {}
-    rounds = lambda tm: -(-(-(-M // tm) * (N // lib.tile_n)) // gemm.DEFAULT_NUM_SMS)
+    rounds = lambda tm: -(-(-(-M // tm) * (N // lib.tile_n)) // heuristics.DEFAULT_NUM_SMS)
     rings = [(f"tm{tm}_et{et}_es{es}", replace(lib, tile_m=tm, epi_tile_m=et, epi_stages=es, epi_vectors="smem"))
              for tm, et, es in RINGS if rounds(tm) == rounds(lib.tile_m)]
     for name, c in [("w4a4_pg", lib)] + rings:
         try:
-            out[name] = (c, smem.solve(gemm.bind(c, p), k=K).stages["main"])
+            out[name] = (c, smem.solve(heuristics.bind(c, p), k=K).stages["main"])
         except ValueError as e:
             print(f"{M}x{N}x{K} {name}: skipped ({e})", flush=True)
     return out

@@ -59,7 +59,7 @@ def _unguarded(kernel_class):
 def launch(case: str) -> None:
     "Run `case` once on the GPU at `SHAPE` and wait for it; raise if its output is not finite."
     import torch
-    from w4a4_book import gemm
+    from w4a4_book import act_quant, registry, gemm
     from w4a4_book.bench import workloads
     M, N, K = SHAPE
     if case in ACTIVATION_CASES:
@@ -67,12 +67,12 @@ def launch(case: str) -> None:
         x = torch.randn(M, K, generator=g, device="cuda").to(torch.bfloat16)
         smooth = (torch.rand(K, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
         down = torch.randn(32, K, generator=g, device="cuda").to(torch.bfloat16)
-        _, lora_act = gemm.quantize_lora_down(x, smooth, down, fmt=ACTIVATION_CASES[case])
+        _, lora_act = act_quant.quantize_lora_down(x, smooth, down, fmt=ACTIVATION_CASES[case])
         out = lora_act
     else:
         config, R = {**gemm_cases(), **refused_cases()}[case]
-        if case in refused_cases(): _unguarded(gemm.spec_for(config).kernel_class())
-        w = workloads.make_workload(M, N, K, R, fmt=gemm.spec_for(config).fmt)
+        if case in refused_cases(): _unguarded(registry.spec_for(config).kernel_class())
+        w = workloads.make_workload(M, N, K, R, fmt=registry.spec_for(config).fmt)
         out = gemm.gemm_w4a4(*w.operands, out_dtype=w.out_dtype, config=config)
     torch.cuda.synchronize()
     if not torch.isfinite(out.float()).all(): raise SystemExit(f"{case}: output not finite")

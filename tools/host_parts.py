@@ -44,10 +44,10 @@ def host_us(fns: dict, iters: int, rounds: int = 20, sync_every: int = 8) -> dic
 def parts(layer, x) -> dict:
     "The calls timed for one layer and input: name -> function of no arguments."
     import torch
-    from w4a4_book import gemm, ops
+    from w4a4_book import ops, cache
     layer(x)
     args = layer.op_args(x, "sm90")
-    plan = gemm.kept(layer.qweight_data)["bound linear"][(x.shape[0], x.dtype, x.device)]
+    plan = cache.kept(layer.qweight_data)["bound linear"][(x.shape[0], x.dtype, x.device)]
     codes, base, lora_act = plan.quantize(x)
     out = torch.empty(plan.shape, dtype=plan.dtype, device=x.device)
     ident = torch.nn.Identity()

@@ -4,7 +4,7 @@
     python tools/ncu_stalls.py --roles --kernel v2 --shape 4352 3072 3840 32 --out nbs/data/ncu_roles_h200_v2.json
 
 `--kernel` is a kernel's name in the registry of `w4a4_book.gemm` (default: the format's default kernel), run with
-its config at every default, `gemm.find_kernel(name).config()`. Records made before the registry existed name it
+its config at every default, `registry.find_kernel(name).config()`. Records made before the registry existed name it
 with `--version`, which is still accepted, and every record keeps the name in its `version` field.
 
 With `--roles` the record holds, per warp role, where that role's warps were sampled (ncu's per-instruction
@@ -14,8 +14,8 @@ A role is the code between two `setmaxnreg` instructions, named by the register 
 `all`.
 
 With `--activation` it profiles the activation side instead, at `M` and `K` of `--shape` (N unused): the kernels
-`gemm.quantize_lora_down` launches for `--fmt` (int4: one; int4_pg and int8: two passes), or with `--one-pass C` the
-one-pass kernel at a cluster of C CTAs (`gemm.quantize_rows_one_pass`); the record holds every kernel's metrics, in
+`act_quant.quantize_lora_down` launches for `--fmt` (int4: one; int4_pg and int8: two passes), or with `--one-pass C` the
+one-pass kernel at a cluster of C CTAs (`act_quant.quantize_rows_one_pass`); the record holds every kernel's metrics, in
 launch order, with the activation sections below (memory and occupancy as well).
 
     python tools/ncu_stalls.py --activation --fmt int4_pg --shape 4352 0 3840 32 --out nbs/data/ncu_h200_act_pg_k3840.json
@@ -36,14 +36,14 @@ WARMUP = 3
 
 def kernel_config(name, fmt="int4", shape=None, sets=()):
     """The registry's kernel `name` (None: the format's default kernel) for `fmt` as `(spec, config)`: its config at
-    every default, with the tile the library picks for `shape` where the kernel has a choice (`gemm.tile_choice`),
+    every default, with the tile the library picks for `shape` where the kernel has a choice (`heuristics.tile_choice`),
     then the fields `sets` names (`NAME=VALUE` strings; a value is an int unless the field's default is a string)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from dataclasses import fields, replace
-    from w4a4_book import gemm
-    spec = gemm.find_kernel(name, fmt)
+    from w4a4_book import heuristics, jit, registry
+    spec = registry.find_kernel(name, fmt)
     config = spec.config()
-    config = config if shape is None else gemm.tile_choice(config, gemm.example_problem(spec, *shape))
+    config = config if shape is None else heuristics.tile_choice(config, jit.example_problem(spec, *shape))
     strings = {f.name: isinstance(f.default, str) for f in fields(config)}   # the others are ints (or None by default)
     for s in sets:
         field, _, value = s.partition("=")
@@ -88,15 +88,15 @@ def parse(text):
     return (launches[0][1], launches[0][0]) if launches else ({}, None)
 
 def activation_call(fmt, shape, one_pass=None):
-    """The activation side on seeded inputs of `shape`'s M, K and R: `gemm.quantize_lora_down` for `fmt`, or with
-    `one_pass` (a cluster size) `gemm.quantize_rows_one_pass`."""
-    from w4a4_book import gemm
+    """The activation side on seeded inputs of `shape`'s M, K and R: `act_quant.quantize_lora_down` for `fmt`, or with
+    `one_pass` (a cluster size) `act_quant.quantize_rows_one_pass`."""
+    from w4a4_book import act_quant
     from w4a4_book.bench.layer import _activation_inputs
     M, _, K, R = shape
     x, smooth, ldt = _activation_inputs(M, K, R)
     if one_pass:
-        return lambda: gemm.quantize_rows_one_pass(x, smooth, ldt, fmt=fmt, cluster=one_pass)
-    return lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt)
+        return lambda: act_quant.quantize_rows_one_pass(x, smooth, ldt, fmt=fmt, cluster=one_pass)
+    return lambda: act_quant.quantize_lora_down(x, smooth, ldt, fmt=fmt)
 
 def activation_launches(fmt, one_pass=None) -> int:
     "Kernels one `activation_call` launches: one for int4 or one pass, two passes for int4_pg and int8."
@@ -276,9 +276,9 @@ def roles_main(a):
         src = subprocess.run(["ncu", "-i", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
                              capture_output=True, text=True, check=True).stdout
     import torch
-    from w4a4_book import gemm
+    from w4a4_book import cache, jit
     spec, config = kernel_config(a.kernel, a.fmt, a.shape, a.sets)
-    kern, _ = gemm.build(config, gemm.example_problem(spec, *a.shape), gemm.sm_count(torch.cuda.current_device()))   # the grid that ran
+    kern, _ = jit.build(config, jit.example_problem(spec, *a.shape), cache.sm_count(torch.cuda.current_device()))   # the grid that ran
     M, N, K, R = a.shape
     tiles = -(-M // kern.bm) * (N // kern.bn)
     ctas = launched_ctas(kern, M, N)

@@ -1,5 +1,5 @@
 """Time the int8-lane activation side (int4_pg and int8) at M = 256 and 4352 in one pass
-(`gemm.quantize_rows_one_pass`, a cluster per row tile, at every cluster that fits) against the two passes (`gemm.quantize_lora_down`), as CUDA-graph replays with the copy
+(`act_quant.quantize_rows_one_pass`, a cluster per row tile, at every cluster that fits) against the two passes (`act_quant.quantize_lora_down`), as CUDA-graph replays with the copy
 bandwidth of the same run, check that both write the same codes and bases (and how far apart their `lora_act` are: the two sum the LoRA partials
 in different orders), and save a record.
 
@@ -24,7 +24,7 @@ def main(argv=None):
     "Measure, print and save the record."
     a = record_cli.parse(__doc__, argv, **OPTIONS)
     import torch
-    from w4a4_book import gemm
+    from w4a4_book import act_quant, cache, heuristics
     from w4a4_book.bench.layer import _activation_inputs, activation_bytes, copy_bandwidth
     from w4a4_book.bench.timing import time_cuda
     from w4a4_book.kernels.sm90_quant import QuantLoraDown
@@ -32,12 +32,12 @@ def main(argv=None):
     copy, rows, R, skipped = copy_bandwidth(), [], a.rank, {}
     for (M, K), fmt in ((s, f) for s in SHAPES for f in FORMATS):
         x, smooth, ldt = _activation_inputs(M, K, R)
-        act, lora_act = gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt)
-        splits = gemm.k_splits(-(-M // 64), K // 64, gemm.sm_count(torch.cuda.current_device()))
-        runs = [("two_pass", None, lambda: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt), activation_bytes(M, K, R, fmt, splits))]
+        act, lora_act = act_quant.quantize_lora_down(x, smooth, ldt, fmt=fmt)
+        splits = heuristics.k_splits(-(-M // 64), K // 64, cache.sm_count(torch.cuda.current_device()))
+        runs = [("two_pass", None, lambda: act_quant.quantize_lora_down(x, smooth, ldt, fmt=fmt), activation_bytes(M, K, R, fmt, splits))]
         for c in range(2, QuantLoraDown.MAX_CLUSTER + 1):
-            if (K // 64) % c == 0 and gemm.one_pass_smem(K, R, c) <= gemm.SMEM_PER_BLOCK:
-                runs.append(("one_pass", c, lambda c=c: gemm.quantize_rows_one_pass(x, smooth, ldt, fmt=fmt, cluster=c),
+            if (K // 64) % c == 0 and act_quant.one_pass_smem(K, R, c) <= act_quant.SMEM_PER_BLOCK:
+                runs.append(("one_pass", c, lambda c=c: act_quant.quantize_rows_one_pass(x, smooth, ldt, fmt=fmt, cluster=c),
                              one_pass_bytes(M, K, R)))
         for method, c, call, nbytes in runs:
             name = f"{fmt} {M}x{K} {method} cluster {c}"

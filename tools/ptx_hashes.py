@@ -45,20 +45,20 @@ def sm100_cases() -> dict:
 
 def gemm_ptx(config, R: int, arch=None) -> str:
     "The PTX of `config`'s kernel at `SHAPE` and rank `R` (for `arch`, default the config's)."
-    from w4a4_book import gemm
-    return gemm.compile_kernel(config, gemm.example_problem(gemm.spec_for(config), *SHAPE, R), arch=arch).ptx
+    from w4a4_book import jit, registry
+    return jit.compile_kernel(config, jit.example_problem(registry.spec_for(config), *SHAPE, R), arch=arch).ptx
 
 
 def digests(sm100: bool = False) -> dict:
     "`{case: digest}` of every sm_90a GEMM case and activation-kernel mode (and the sm_100a kernels with `sm100`)."
     from gpu_checks import gemm_cases
-    from w4a4_book import gemm
+    from w4a4_book import act_quant
     out = {}
     for case, (config, R) in gemm_cases().items():
         out[case] = digest(gemm_ptx(config, R))
-    for mode in gemm.QUANT_MODES:
+    for mode in act_quant.QUANT_MODES:
         for R, smooth in QUANT_CASES:
-            ptx = gemm.compile_quant(R=R, smooth=smooth, mode=mode)[0]
+            ptx = act_quant.compile_quant(R=R, smooth=smooth, mode=mode)[0]
             out[f"activation {mode} R={R} smooth={smooth}"] = digest(ptx)
     for case, (config, R) in (sm100_cases() if sm100 else {}).items():
         out[case] = digest(gemm_ptx(config, R, "sm_100a"))

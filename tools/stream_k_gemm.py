@@ -16,8 +16,8 @@ SHAPES = ((4352, 3072, 3840), (4352, 3072, 10240), (4352, 3840, 15360), (3072, 2
 def configs(M, N, K, R):
     """`{name: config}` of the kernels timed at one shape: the library's tile, the 256-row one, and stream-K on each
     (`w4a4_pg_sk` on the 256-row tile, `w4a4_pg_sk_lib` on the library's)."""
-    from w4a4_book import gemm, smem
-    lib = gemm.default_config("int4_pg", problem=gemm.example_problem(gemm.find_kernel(None, "int4_pg"), M, N, K, R))
+    from w4a4_book import smem, jit, registry
+    lib = registry.default_config("int4_pg", problem=jit.example_problem(registry.find_kernel(None, "int4_pg"), M, N, K, R))
     same = dict(tile_m=lib.tile_m, epi_tile_m=lib.epi_tile_m, epi_stages=lib.epi_stages, epi_vectors=lib.epi_vectors)
     return dict(w4a4_pg=lib, w4a4_pg_256=smem.HopperPgConfig(tile_m=256, epi_vectors="smem"),
                 w4a4_pg_sk=smem.HopperPgStreamKConfig(), w4a4_pg_sk_lib=smem.HopperPgStreamKConfig(**same))

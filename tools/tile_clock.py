@@ -100,7 +100,7 @@ def main(argv=None):
     "Measure, print and save the record."
     a = record_cli.parse(__doc__, argv, **OPTIONS)
     import torch
-    from w4a4_book import gemm, smem
+    from w4a4_book import smem, cache, heuristics, jit, registry, gemm
     from w4a4_book.bench.timing import time_cuda
     from w4a4_book.bench.workloads import make_workload
     from w4a4_book.kernels import sm90_pg as pg
@@ -111,10 +111,10 @@ def main(argv=None):
         w = make_workload(M, N, K, R, fmt="int4_pg")
         lib_launch, lib_out = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype)
         _, tensors, _, p, _ = gemm._launch(*w.operands, w.out_dtype, None, None)
-        config = gemm.tile_choice(gemm.default_config("int4_pg"), p)
+        config = heuristics.tile_choice(registry.default_config("int4_pg"), p)
         dev = tensors[0].device
-        kern = Clock(smem.solve(gemm.bind(config, p), k=K), p, gemm.sm_count(dev.index))
-        fn = gemm.launchable(("tile_clock", config, p.signature(False)), dev, lambda: (kern, pg.pg_sk_arguments(p), True))
+        kern = Clock(smem.solve(heuristics.bind(config, p), k=K), p, cache.sm_count(dev.index))
+        fn = jit.launchable(("tile_clock", config, p.signature(False)), dev, lambda: (kern, pg.pg_sk_arguments(p), True))
         ts = pg.pg_sk_tensors(p, *w.operands, torch.empty_like(lib_out))
         launch = lambda: fn(*ts)
         lib_launch(), launch()

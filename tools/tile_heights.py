@@ -1,6 +1,6 @@
 """Time the int4_pg GEMM alone (CUDA-graph replays, L2 flushed) at the activation-tile heights whose grids take as
 many rounds of the SMs as the library's pick, on the 3072-wide layers at M = 4352 and 1024, in one run: the library's
-pick (`gemm.tile_choice`), the 224-row tile it picked before 16-row output sub-tiles, and the 208-row tile with a
+pick (`heuristics.tile_choice`), the 224-row tile it picked before 16-row output sub-tiles, and the 208-row tile with a
 deeper output ring. Every output is checked equal to the 224-row tile's bit for bit (the height changes which CTA
 computes an element, not what it computes).
 
@@ -18,13 +18,13 @@ HEIGHTS = {"w4a4_pg_224": (224, 32, 2), "w4a4_pg_208_es4": (208, 16, 4)}        
 def configs(M, N, K, R):
     "`{name: (config, main stages, tiles)}`: the library's pick, then `HEIGHTS`."
     from dataclasses import replace
-    from w4a4_book import gemm, smem
-    p = gemm.example_problem(gemm.find_kernel(None, "int4_pg"), M, N, K, R)
-    lib = gemm.default_config("int4_pg", problem=p)
+    from w4a4_book import smem, heuristics, jit, registry
+    p = jit.example_problem(registry.find_kernel(None, "int4_pg"), M, N, K, R)
+    lib = registry.default_config("int4_pg", problem=p)
     out = {}
     for name, c in [("w4a4_pg", lib)] + [(n, replace(lib, tile_m=tm, epi_tile_m=et, epi_stages=es))
                                         for n, (tm, et, es) in HEIGHTS.items()]:
-        out[name] = (c, smem.solve(gemm.bind(c, p), k=K).stages["main"], -(-M // c.tile_m) * (N // c.tile_n))
+        out[name] = (c, smem.solve(heuristics.bind(c, p), k=K).stages["main"], -(-M // c.tile_m) * (N // c.tile_n))
     return out
 
 

@@ -16,7 +16,7 @@ except _NotFound:            # a source tree that was never installed
 
 _PUBLIC = {"quantize": "formats", "dequantize": "formats", "QTensor": "formats", "w4a4_gemm_ref": "reference",
            "Problem": "operands", "solve": "smem", "explain": "smem", "HopperV1Config": "smem",
-           "HopperV2Config": "smem", "gemm_w4a4": "gemm", "gemm_launcher": "gemm", "compile_kernel": "gemm",
+           "HopperV2Config": "smem", "gemm_w4a4": "gemm", "gemm_launcher": "gemm", "compile_kernel": "jit",
            "W4A4Linear": "layers",
            "quantize_model": "layers", "save_quantized": "layers", "load_quantized": "layers"}
 

@@ -53,7 +53,7 @@ COMMANDS: dict[str, Command] = {
                       add="render_arguments", run="render_command"),
     "serve": Command("w4a4_book.cli", "serve the built book on 127.0.0.1, so search works in a browser",
                      add="serve_arguments", run="serve_command"),
-    "compile": Command("w4a4_book.gemm", "compile a kernel (sm_90a, sm_100a) with no GPU: its shared memory and PTX",
+    "compile": Command("w4a4_book.jit", "compile a kernel (sm_90a, sm_100a) with no GPU: its shared memory and PTX",
                        add="compile_arguments", run="compile_command"),
     "bench": Command("w4a4_book.bench.report", "time the W4A4 kernels against torch baselines on a Hopper GPU"),
     "repro": Command("w4a4_book.repro", "reproduce the LoRA accounting experiment (recorded data without a GPU)"),

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from torch import nn
 
-from . import gemm, operands, ops
+from . import operands, ops, registry
 from . import formats
 from .formats import K_MULTIPLE, QTensor, check_fmt, quantize
 from .operands import LORA_RANK_MULTIPLE, fail
@@ -133,7 +133,7 @@ def _check_layer_args(in_features, out_features, rank, fmt, dtype, backend, kern
     operands.check_layer_args(in_features, out_features, rank, fmt, dtype, group_size=K_MULTIPLE[fmt],
                               rank_multiple=LORA_RANK_MULTIPLE, dtypes=LAYER_DTYPES, backend=backend, backends=BACKENDS)
     if kernel_config is not None:
-        spec = gemm.spec_for(kernel_config)   # raises naming `config` unless it is a registered kernel's config
+        spec = registry.spec_for(kernel_config)   # raises naming `config` unless it is a registered kernel's config
         if spec.fmt != fmt:
             raise ValueError(f"kernel_config: {type(kernel_config).__name__} is a kernel for {spec.fmt!r} weights, "
                              f"but fmt={fmt!r}; pass fmt={spec.fmt!r} or a config of a {fmt!r} kernel")
@@ -286,7 +286,7 @@ def gemm_config(self: W4A4Linear):
     """The kernel config the sm90 backend runs: `kernel_config`, or the format's default for this layer (raises naming
     `fmt` when none exists)."""
     return (self.kernel_config if self.kernel_config is not None
-            else gemm.default_config(self.fmt, problem=self.problem()))
+            else registry.default_config(self.fmt, problem=self.problem()))
 
 @patch
 def why_not_sm90(self: W4A4Linear, x: torch.Tensor) -> Optional[str]:
@@ -314,7 +314,7 @@ def route(self: W4A4Linear, x: torch.Tensor) -> tuple:
         reason = None if self.backend == "reference" else self.why_not_sm90(x)
         if self.backend == "sm90" and reason:
             raise ValueError(f"backend='sm90' cannot run: {reason}")
-        spec = gemm.spec_for(self.gemm_config) if reason is None and self.backend != "reference" else None
+        spec = registry.spec_for(self.gemm_config) if reason is None and self.backend != "reference" else None
         routes[key] = ("sm90", f"sm90-{spec.kernel}-{spec.mainloop}") if spec else ("reference", "reference")
     return routes[key]
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import gemm, operands
+from . import operands, act_quant, cache, heuristics, registry, gemm
 from .formats import PG_GROUP, QTensor, check_fmt, dequantize, quantize, reciprocal, unpack_int4
 from .operands import OPERAND_PAIRS, Problem, fail
 from .reference import w4a4_gemm_ref
@@ -35,7 +35,7 @@ def config_key(config) -> str:
     kernel)."""
     if config is None:
         return ""
-    gemm.spec_for(config)              # raises naming `config` unless it is a registered kernel's config
+    registry.spec_for(config)              # raises naming `config` unless it is a registered kernel's config
     return repr(config)
 
 @functools.lru_cache(maxsize=None)
@@ -45,7 +45,7 @@ def config_from_key(key: str):
     re-registers the op with the second module's functions, and a config registered with the first is then unknown."""
     if not key:
         return None
-    classes = {s.config.__name__: s.config for s in gemm.REGISTRY.values()}
+    classes = {s.config.__name__: s.config for s in registry.REGISTRY.values()}
     try:
         call = ast.parse(key, mode="eval").body
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args): raise ValueError
@@ -60,8 +60,8 @@ def why_not_sm90(x, problem: Problem, config=None) -> Optional[str]:
     if not x.is_cuda:
         return f"x is on {x.device}, not a CUDA device"
     try:
-        config = config if config is not None else gemm.default_config(problem.fmt, problem=problem)
-        req = gemm.spec_for(config).kernel_class().requirements(config)
+        config = config if config is not None else registry.default_config(problem.fmt, problem=problem)
+        req = registry.spec_for(config).kernel_class().requirements(config)
         from w4a4_book.kernels.sm90_quant import MAX_RANK
     except (ValueError, TypeError, ImportError) as e:
         return f"no sm90 kernel: {e}"
@@ -71,7 +71,8 @@ def why_not_sm90(x, problem: Problem, config=None) -> Optional[str]:
     if problem.R > MAX_RANK:
         return f"rank={problem.R} exceeds {MAX_RANK}, the widest LoRA block the fused activation kernel holds"
     try:
-        operands.check_problem(req, problem, gemm.cluster_size(config), names={"K": "in_features", "N": "out_features"})
+        operands.check_problem(req, problem, heuristics.cluster_size(config),
+                               names={"K": "in_features", "N": "out_features"})
     except (ValueError, TypeError) as e:
         return str(e)
     return None
@@ -90,8 +91,8 @@ def plan(x, problem: Problem, config: str = "") -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def _default_config(problem: Problem):
-    "The format's default kernel config for `problem`, with its tile for the problem (`gemm.default_config`)."
-    return gemm.default_config(problem.fmt, problem=problem)
+    "The format's default kernel config for `problem`, with its tile for the problem (`registry.default_config`)."
+    return registry.default_config(problem.fmt, problem=problem)
 
 # %% ../nbs/14a_ops.ipynb #1073f7cd
 # weight data tensor -> the (id, version) of the buffers its values were checked at
@@ -117,8 +118,8 @@ def weights(data: torch.Tensor, scales: torch.Tensor, fmt: str, global_scale=Non
 
 def lora_down_t(lora_down: torch.Tensor) -> torch.Tensor:
     """`lora_down` `[K, R]` transposed to `[R, K]`, K-contiguous, as the fused activation kernel reads it; cached until
-    `lora_down` changes (`gemm.derived`)."""
-    return gemm.derived(lora_down, "t", lambda d: d.t().contiguous())
+    `lora_down` changes (`cache.derived`)."""
+    return cache.derived(lora_down, "t", lambda d: d.t().contiguous())
 
 # %% ../nbs/14a_ops.ipynb #618e6a12
 def quantize_act_ref(x: torch.Tensor, smooth: torch.Tensor, lora_down: Optional[torch.Tensor], act_fmt: str) -> tuple:
@@ -130,10 +131,11 @@ def quantize_act_ref(x: torch.Tensor, smooth: torch.Tensor, lora_down: Optional[
     return act, lora_act
 
 def quantize_act_sm90(x: torch.Tensor, smooth: torch.Tensor, lora_down: Optional[torch.Tensor], act_fmt: str) -> tuple:
-    """`quantize_act_ref`'s result computed by the fused activation kernel (`gemm.quantize_lora_down`) on `x` cast to
+    """`quantize_act_ref`'s result computed by the fused activation kernel (`act_quant.quantize_lora_down`) on `x` cast
+    to
     `smooth`'s dtype."""
     ldt = lora_down_t(lora_down) if lora_down is not None else None
-    return gemm.quantize_lora_down(x.to(smooth.dtype).contiguous(), smooth, ldt, fmt=act_fmt)
+    return act_quant.quantize_lora_down(x.to(smooth.dtype).contiguous(), smooth, ldt, fmt=act_fmt)
 
 # %% ../nbs/14a_ops.ipynb #a1e5d705
 def _check_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight_base, smooth, lora_down, lora_up,
@@ -163,7 +165,8 @@ def _check_linear(x, qweight_data, qweight_scales, qweight_global_scale, qweight
 
 def _problem(x, qweight_data, qweight_scales, smooth, lora_up, fmt, act_fmt) -> Problem:
     """The GEMM problem of `w4a4::linear` on `x`. NOTES: the real M (at least 1: an empty batch is a problem of one
-    row), because the default kernel's tile is chosen for the problem (`gemm.tile_choice`): at small M a narrower one
+    row), because the default kernel's tile is chosen for the problem (`heuristics.tile_choice`): at small M a narrower
+    one
     wins."""
     return Problem(max(x.shape[0], 1), qweight_data.shape[0], x.shape[1], 0 if lora_up is None else lora_up.shape[1],
                    scale_dtype=qweight_scales.dtype, lora_dtype=smooth.dtype, out_dtype=smooth.dtype, fmt=fmt,
@@ -182,8 +185,8 @@ BOUND_ACT_FORMATS = ("int4_pg", "int8")     # the activation formats whose whole
 
 class BoundLinear:
     """`w4a4::linear` on the sm90 kernels for one M, input dtype and device, with every check, compile and weight-side
-    tensor made once (`gemm.bind_quantize_rows`, `gemm.gemm_bound`): a call casts `x` if it must, allocates the
-    output (the activation side lives in the stream's workspace, `gemm.stream_workspace`), and launches the two
+    tensor made once (`act_quant.bind_quantize_rows`, `gemm.gemm_bound`): a call casts `x` if it must, allocates the
+    output (the activation side lives in the stream's workspace, `cache.stream_workspace`), and launches the two
     activation passes and the GEMM. `stamp`: the `(id, version)`
     of each tensor argument it was built from; `first`: the build call's output (it is built by computing one);
     `gemm` None where nothing binds (the reference backend, a kernel compiled per M)."""
@@ -195,10 +198,11 @@ class BoundLinear:
         self.stamp, self.dtype, self.out_dtype, self.rank = stamp, smooth.dtype, x.dtype, lora_up is not None
         kernel = _kernel(backend, x, _problem(x, qd, qs, smooth, lora_up, fmt, act_fmt), config)
         self.gemm = self.first = None
-        if kernel is None or gemm.spec_for(kernel).kernel_class().static_m:
+        if kernel is None or registry.spec_for(kernel).kernel_class().static_m:
             return                     # the reference rules, or a kernel compiled per M: nothing binds
         xin = x.to(smooth.dtype).contiguous()
-        self.quantize = gemm.bind_quantize_rows(xin, smooth, lora_down_t(lora_down) if self.rank else None, fmt=act_fmt)
+        ldt = lora_down_t(lora_down) if self.rank else None
+        self.quantize = act_quant.bind_quantize_rows(xin, smooth, ldt, fmt=act_fmt)
         codes, base, lora_act = self.quantize(xin, workspace=True)
         act = QTensor.trusted(codes, None, act_fmt, base=base)
         self.gemm, out = gemm.gemm_bound(act, weights(qd, qs, fmt, qg, qb), lora_act, lora_up, wcs, bias,
@@ -227,7 +231,7 @@ def _stamp(args: list) -> Optional[tuple]:
         return None
 
 def bound_linear(args: list) -> Optional[torch.Tensor]:
-    """`w4a4::linear` on `args` through the `BoundLinear` kept with the weights (`gemm.kept(qweight_data)`, dropped
+    """`w4a4::linear` on `args` through the `BoundLinear` kept with the weights (`cache.kept(qweight_data)`, dropped
     with them) for `x`'s M, dtype and device, built on first use and again after any argument changes (a new tensor,
     an in-place write, a new format or config). None where no bound path applies (then the checked path runs): the
     reference backend, a layer of inference tensors, an empty batch, an activation format outside
@@ -239,7 +243,7 @@ def bound_linear(args: list) -> Optional[torch.Tensor]:
     stamp = _stamp(args)
     if stamp is None:
         return None
-    plans, key = gemm.kept(args[1]).setdefault("bound linear", {}), (x.shape[0], x.dtype, x.device)
+    plans, key = cache.kept(args[1]).setdefault("bound linear", {}), (x.shape[0], x.dtype, x.device)
     plan = plans.get(key)
     if plan is not None and plan.stamp == stamp:
         return plan(x) if plan.gemm is not None else None

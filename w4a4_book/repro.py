@@ -11,7 +11,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 import w4a4_book.smem as smem
-from . import gemm, records
+from . import records, heuristics, registry, gemm
 from .bench import report, timing, workloads
 
 # %% ../nbs/07_lora_bug.ipynb #0cec74c0
@@ -149,16 +149,16 @@ PHANTOM = ("the historical charge (`pair`) bills each CTA of a 2-CTA pair for th
 def config_label(config) -> str:
     """A lora-bug config's name in tables and records: kernel, format, mainloop (if not the default), CTAs, tile, LoRA
     ring."""
-    s = gemm.spec_for(config)
-    loop = "" if s.mainloop == gemm.find_kernel(s.kernel, s.fmt, s.arch).mainloop else f" {s.mainloop}"
+    s = registry.spec_for(config)
+    loop = "" if s.mainloop == registry.find_kernel(s.kernel, s.fmt, s.arch).mainloop else f" {s.mainloop}"
     ring = "" if config.lora_stages == 1 and getattr(config, "lora_chunk", None) is None else \
            f" L={config.lora_stages}" + (f" chunk {config.lora_chunk}" if getattr(config, "lora_chunk", None) else "")
-    return f"{s.kernel} {s.fmt}{loop} {gemm.cluster_size(config)}-CTA {config.tile_m}x{config.tile_n}{ring}"
+    return f"{s.kernel} {s.fmt}{loop} {heuristics.cluster_size(config)}-CTA {config.tile_m}x{config.tile_n}{ring}"
 
 def row_config(row):
     "The config a lora-bug record row was measured with (rows recorded before the grid: `LORA_BUG_CONFIG`)."
     if "fmt" not in row: return replace(LORA_BUG_CONFIG, lora_accounting=row["accounting"])
-    spec = gemm.find_kernel(row["kernel"], row["fmt"])
+    spec = registry.find_kernel(row["kernel"], row["fmt"])
     ring = {k: row[k] for k in ("lora_stages", "lora_chunk") if k in row}
     return spec.config(cluster_n=row["cluster_n"], tile_m=row["tile_m"], lora_accounting=row["accounting"], **ring)
 
@@ -237,7 +237,7 @@ def recorded_depth(config) -> list:
     """The recorded stage sweeps (`sweep_stages_*` in `nbs/data/`) of `config`'s kernel and format, at any CTA count,
     tile, rank and shape: one row per curve with its TFLOP/s at `MOVE_SHALLOW` and `MOVE_DEEP` main stages."""
     from w4a4_book import sweep
-    spec, out = gemm.spec_for(config), []
+    spec, out = registry.spec_for(config), []
     for path in records.list_records("sweep_stages"):
         _, rows = records.load_record(path)
         for key, c in sweep.curves(rows).items():
@@ -261,8 +261,9 @@ def _time_build(w, cfg, ref, gpu, iters, warmup):
 
 def _keys(config) -> dict:
     "A record row's description of `config`: its label, kernel, format, CTAs, tile and LoRA ring."
-    spec = gemm.spec_for(config)
-    return dict(config=config_label(config), kernel=spec.kernel, fmt=spec.fmt, cluster_n=gemm.cluster_size(config),
+    spec = registry.spec_for(config)
+    return dict(config=config_label(config), kernel=spec.kernel, fmt=spec.fmt,
+                cluster_n=heuristics.cluster_size(config),
                 tile_m=config.tile_m, lora_stages=config.lora_stages, lora_chunk=getattr(config, "lora_chunk", None))
 
 # %% ../nbs/07_lora_bug.ipynb #ff804843
@@ -279,7 +280,8 @@ def measure_lora_bug(problems=LORA_BUG_PROBLEMS, *, config=LORA_BUG_CONFIG, swee
     rows = []
     for M, N, K, R in problems:
         w = workloads.make_workload(M, N, K, R, fmt=keys["fmt"])
-        budgets = {a: _main_stages(gemm.bind(replace(config, lora_accounting=a), w.problem), k=K) for a in (BUG, FIX)}
+        budgets = {a: _main_stages(heuristics.bind(replace(config, lora_accounting=a), w.problem), k=K)
+                   for a in (BUG, FIX)}
         if budgets[FIX][0] == 0:
             if not quiet:
                 print(f"{label} {M}x{N}x{K} R={R}: no main stage fits even under the fix; left out", flush=True)
@@ -292,7 +294,7 @@ def measure_lora_bug(problems=LORA_BUG_PROBLEMS, *, config=LORA_BUG_CONFIG, swee
             if budgets[acct][0] == 0:            # the bug leaves no stage: the kernel cannot be built at all
                 out[acct] = dict(row, tflops=None, mfu=None, note=budgets[acct][1])
                 continue
-            budget = smem.solve(gemm.bind(cfg, w.problem), k=K)     # the budget the launched kernel is built with
+            budget = smem.solve(heuristics.bind(cfg, w.problem), k=K)     # the budget the launched kernel is built with
             out[acct] = dict(row, charged=budget.total, allocated=budget.allocated,
                              **_time_build(w, cfg, ref, gpu, iters, warmup))
         b, f = out[BUG], out[FIX]
@@ -472,7 +474,7 @@ def measure_ladder(fmt: str = "int4", problems=LADDER_PROBLEMS, *, iters=30, war
             if cfg is None:
                 rows.append({**row, "tflops": None, "note": f"no {rung.split()[0]} kernel computes {fmt} yet"})
                 continue
-            stages = smem.solve(gemm.bind(cfg, w.problem), k=K).stages["main"]
+            stages = smem.solve(heuristics.bind(cfg, w.problem), k=K).stages["main"]
             rows.append({**row, "config": config_label(cfg), "main_stages": stages,
                          **_time_build(w, cfg, ref, gpu, iters, warmup)})
             if not quiet:

@@ -10,7 +10,7 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 import w4a4_book.smem as smem
-from . import gemm, records
+from . import records, heuristics, jit, registry, gemm
 from .operands import Problem
 from .bench import report, timing, workloads
 
@@ -22,7 +22,7 @@ SWEEP_CONFIGS = (smem.HopperV1Config(), smem.HopperV2Config())   # the kernels s
 def max_stages(config, problem: Problem) -> int:
     """The most main stages that fit for the kernel of `config` on `problem`: the solver's pick, under `config`'s
     accounting (`per_cta` by default)."""
-    return smem.solve(gemm.bind(replace(config, stages=None), problem), k=problem.K).stages["main"]
+    return smem.solve(heuristics.bind(replace(config, stages=None), problem), k=problem.K).stages["main"]
 
 def min_stages(config) -> int:
     """The fewest main stages the kernel of `config` runs with: where a sweep starts (two for the int4_pg mainloop, else
@@ -40,18 +40,18 @@ def solver_marks(config, problem: Problem) -> dict:
 def sweep_stages(configs=SWEEP_CONFIGS, problems=SWEEP_PROBLEMS, *, iters=20, warmup=3, quiet=False):
     """Time the kernel of each config on each `(M, N, K, R)` at every main stage count from 1 to the most that fit; one
     row per point, keyed as `curve_key` reads it (`version`: the kernel's registry name). A kernel with a choice of
-    tile takes the one the library picks for the problem (`gemm.tile_choice`)."""
+    tile takes the one the library picks for the problem (`heuristics.tile_choice`)."""
     import torch
     gpu = torch.cuda.get_device_name()
     rows = []
     for M, N, K, R in problems:
         loads = {}
         for config in configs:
-            spec = gemm.spec_for(config)
+            spec = registry.spec_for(config)
             if spec.fmt not in loads: loads[spec.fmt] = workloads.make_workload(M, N, K, R, fmt=spec.fmt)
             w = loads[spec.fmt]
-            config = gemm.tile_choice(config, w.problem)
-            v, cn, tm = spec.kernel, gemm.cluster_size(config), config.tile_m
+            config = heuristics.tile_choice(config, w.problem)
+            v, cn, tm = spec.kernel, heuristics.cluster_size(config), config.tile_m
             for s in range(min_stages(config), max_stages(config, w.problem) + 1):
                 launch, _ = gemm.gemm_launcher(*w.operands, out_dtype=w.out_dtype, config=replace(config, stages=s))
                 t = timing.time_cuda(launch, warmup=warmup, iters=iters)
@@ -87,7 +87,7 @@ def curves(rows):
 def curve_config(key):
     """The config of the kernel a curve `key` was measured with: the registry's kernel `key[0]` for format `key[6]`,
     `key[5]` CTAs, tile `key[7]`."""
-    config = gemm.find_kernel(key[0], key[6]).config(cluster_n=key[5])
+    config = registry.find_kernel(key[0], key[6]).config(cluster_n=key[5])
     return config if key[7] is None else replace(config, tile_m=key[7])
 
 def curve_label(key) -> str:
@@ -100,7 +100,7 @@ def sweep_marks(rows, cluster_n=2):
     for k in (k for k in curves(rows) if k[5] == cluster_n):
         config = curve_config(k)
         # the format's own scale type
-        marks[k] = solver_marks(config, gemm.example_problem(gemm.spec_for(config), *k[1:5]))
+        marks[k] = solver_marks(config, jit.example_problem(registry.spec_for(config), *k[1:5]))
     return marks
 
 # %% ../nbs/08_pipeline_depth.ipynb #11cbbb90
@@ -219,12 +219,13 @@ def recorded_report() -> str:
 # %% ../nbs/23_cli.ipynb #c2334506
 def add_arguments(p: argparse.ArgumentParser) -> None:
     "Options of `w4a4-book sweep-stages`."
-    kernels = sorted({s.kernel for s in gemm.REGISTRY.values()})
+    kernels = sorted({s.kernel for s in registry.REGISTRY.values()})
     p.add_argument("--versions", nargs="+", default=None, choices=kernels,
                    help="kernels to sweep, by registry name (default: every one computing --fmt)")
-    p.add_argument("--fmt", default=gemm.DEFAULT_FMT,
-                   choices=sorted({s.fmt for s in gemm.REGISTRY.values() if s.arch == "sm_90a"}),
-                   help=f"the weights' format: int4_pg (exact-integer mainloop) or int4 (default: {gemm.DEFAULT_FMT})")
+    p.add_argument("--fmt", default=registry.DEFAULT_FMT,
+                   choices=sorted({s.fmt for s in registry.REGISTRY.values() if s.arch == "sm_90a"}),
+                   help="the weights' format: int4_pg (exact-integer mainloop) or int4 "
+                        f"(default: {registry.DEFAULT_FMT})")
     p.add_argument("--cluster-n", type=int, default=1, help="CTAs per cluster (default 1; 2: a pair along N)")
     p.add_argument("--iters", type=int, default=20, help="timed runs per point, median reported (default: 20)")
     p.add_argument("--out", default=None,
@@ -238,9 +239,10 @@ def command(args, versions) -> str:
 def run(args) -> int:
     """Sweep on an sm_90 GPU and save JSON + PNG; elsewhere print the recorded sweeps. A bad option raises, naming it,
     before any work."""
-    regs = gemm.REGISTRY.values()
+    regs = registry.REGISTRY.values()
     versions = args.versions or sorted({s.kernel for s in regs if s.fmt == args.fmt and s.arch == "sm_90a"})
-    configs = [gemm.find_kernel(v, args.fmt).config(cluster_n=args.cluster_n) for v in versions]   # each checks itself
+    # each config checks itself
+    configs = [registry.find_kernel(v, args.fmt).config(cluster_n=args.cluster_n) for v in versions]
     timing.check_timing(args.iters, 0)
     if args.out: records.check_output_path(args.out, "--out")
     why_not = next((w for w in map(workloads.kernel_unavailable, configs) if w), None)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import gemm
+from .. import act_quant, cache, heuristics, gemm
 from ..layers import W4A4Linear
 from ..records import (check_output_path, data_dir, list_records, load_record, markdown_table, provenance,
                                save_record)
@@ -245,8 +245,8 @@ def _time_activation(M, K, R, fmt, cps, stages, copy, iters, warmup) -> dict:
     """One row of `run_activation_bench`: graph, eager and stream times of one format and grid point, its bytes and
     bandwidth, and the stream time of a copy of as many bytes."""
     x, smooth, ldt = _activation_inputs(M, K, R)
-    splits = gemm.k_splits(-(-M // 64), K // 64, gemm.sm_count(torch.cuda.current_device()), cps)
-    call = lambda x: gemm.quantize_lora_down(x, smooth, ldt, fmt=fmt, stages=stages, ctas_per_sm=cps)
+    splits = heuristics.k_splits(-(-M // 64), K // 64, cache.sm_count(torch.cuda.current_device()), cps)
+    call = lambda x: act_quant.quantize_lora_down(x, smooth, ldt, fmt=fmt, stages=stages, ctas_per_sm=cps)
     eager = time_cuda(lambda: call(x), warmup=warmup, iters=iters)
     t = time_cuda(lambda: call(x), warmup=warmup, iters=iters, graph=True)
     nbytes = activation_bytes(M, K, R, fmt, splits)
@@ -263,8 +263,10 @@ def _time_activation(M, K, R, fmt, cps, stages, copy, iters, warmup) -> dict:
                 copy_stream_ms=c_ms, copy_stream_of_copy=nbytes / (c_ms * 1e-3) / copy)
 
 def run_activation_bench(shapes, R: int = 32, fmts=ACTIVATION_FORMATS, iters: int = 50, warmup: int = 10,
-                         quiet: bool = False, grid=((gemm.ACT_CTAS_PER_SM, gemm.ACT_STAGES),)) -> list:
-    """Time `gemm.quantize_lora_down` per format on each `(M, K)` as CUDA-graph replays (the row's timing fields, its
+                         quiet: bool = False,
+                         grid=((heuristics.ACT_CTAS_PER_SM, heuristics.ACT_STAGES),)) -> list:
+    """Time `act_quant.quantize_lora_down` per format on each `(M, K)` as CUDA-graph replays (the row's timing fields,
+    its
     bandwidth), and eagerly beside it (`eager_*_ms`), with the copy bandwidth of the same run; one row per shape,
     `(ctas_per_sm, stages)` point of `grid` (default: the kernel's defaults) and format."""
     copy = copy_bandwidth()

@@ -21,7 +21,7 @@ from .timing import MIN_ITERS, check_timing, gpu_key, peak_for
 from .workloads import (ALL_METHODS, BENCH_FORMATS, DEFAULT_METHODS, SHAPE_SETS, STOCK_GEMM_ENV,
                                        KernelRef, bench_problems, default_methods, run_bench, stock_fp8_gemm,
                                        stock_int8_gemm)
-from ..gemm import DEFAULT_FMT
+from ..registry import DEFAULT_FMT
 
 # %% auto #0
 __all__ = ['FLOOR_FRACTION', 'VALUE_FORMATS', 'RATIO_PAIRS', 'PG_TARGETS', 'GEOMEAN_M', 'GEOMEAN_R', 'README_RECORDS',
@@ -443,7 +443,8 @@ WAVES_RECORD = "bench_h200_int4_pg_waves_m4352.json"   # the run after the tile 
 def waves_line(rows: list[dict]) -> str:
     """One README line from `WAVES_RECORD`'s rows: the chosen tile against the 256-row one and the stock GEMM, where the
     choice is not 256 rows."""
-    from w4a4_book.gemm import default_config, example_problem, find_kernel
+    from w4a4_book.jit import example_problem
+    from w4a4_book.registry import default_config, find_kernel
     t = {(r["method"], r["M"], r["N"], r["K"]): r["median_ms"] for r in rows}
     chosen = lambda M, N, K: default_config(
         "int4_pg", problem=example_problem(find_kernel(fmt="int4_pg"), M, N, K, 32)).tile_m

@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 import w4a4_book.smem as smem
-from .. import gemm
+from .. import heuristics, registry, gemm
 from ..formats import INT_FORMATS, K_MULTIPLE, QTensor, check_fmt, decode_table, dequantize, quantize
 from ..operands import LORA_RANK_MULTIPLE, LOW_PRECISION, Problem, check_gemm_operands, check_int32_sum
 from ..reference import w4a4_gemm_dequant
@@ -82,7 +82,7 @@ BENCH_FORMATS = tuple(WORKLOAD_FORMATS)
 
 def _quantize_act(x: torch.Tensor, fmt: str) -> QTensor:
     """Activations of `fmt` in the form the kernels take them: int4_pg in the int8 packing (q·u, no u), as
-    `gemm.quantize_lora_down(..., fmt="int4_pg")` writes them; the other formats as `quantize` makes them."""
+    `act_quant.quantize_lora_down(..., fmt="int4_pg")` writes them; the other formats as `quantize` makes them."""
     q = quantize(x, fmt)
     if fmt != "int4_pg":
         return q
@@ -184,19 +184,20 @@ class Method:
 
 @dataclass(frozen=True)
 class KernelRef:
-    """The config of the registered kernel `gemm.find_kernel(kernel, fmt, arch, mainloop)` with `fields` set, looked
+    """The config of the registered kernel `registry.find_kernel(kernel, fmt, arch, mainloop)` with `fields` set, looked
     up by `resolve()` at call time: a kernel method can be declared before its registry row exists."""
     fmt: str
     kernel: str | None = None
     mainloop: str | None = None
     arch: str = "sm_90a"
     fields: tuple = ()      # ((name, value), ...): the config fields that differ from their defaults
-    # time what the library picks per problem (`gemm.tile_choice`), as a layer runs it; needs no fields
+    # time what the library picks per problem (`heuristics.tile_choice`), as a layer runs it; needs no fields
     chosen: bool = False
 
     def resolve(self):
-        "The config; raises `ValueError` (from `gemm.find_kernel` or `smem.check_config`) when there is no such kernel."
-        config = gemm.find_kernel(self.kernel, self.fmt, self.arch, self.mainloop).config(**dict(self.fields))
+        """The config; raises `ValueError` (from `registry.find_kernel` or `smem.check_config`)
+        when there is no such kernel."""
+        config = registry.find_kernel(self.kernel, self.fmt, self.arch, self.mainloop).config(**dict(self.fields))
         smem.check_config(config)
         return config
 
@@ -211,7 +212,7 @@ def _kernel_build(config, pure: bool, out_dtype: torch.dtype | None) -> Callable
         ops = (w.act, w.wgt) if pure else w.operands
         config_now, dt = resolve_config(config), out_dtype or w.out_dtype
         if getattr(config, "chosen", False):
-            config_now = gemm.tile_choice(config_now, check_gemm_operands(*ops, out_dtype=dt))
+            config_now = heuristics.tile_choice(config_now, check_gemm_operands(*ops, out_dtype=dt))
         launch, out = gemm.gemm_launcher(*ops, out_dtype=dt, config=config_now)
         def run():
             launch()
@@ -225,7 +226,7 @@ def _kernel_fmts(config, fmts: tuple | None) -> tuple:
     if isinstance(config, KernelRef):
         fmt = check_fmt(config.fmt, BENCH_FORMATS)
     else:
-        fmt = gemm.spec_for(config).fmt   # raises naming `config` unless a registered kernel has this config class
+        fmt = registry.spec_for(config).fmt   # raises naming `config` unless a registered kernel has this config class
         smem.check_config(config)         # ... and names the first field it cannot build
     return (fmt,) if fmts is None else tuple(check_fmt(f, BENCH_FORMATS) for f in fmts)
 
@@ -238,16 +239,17 @@ def kernel_method(name: str, config, checked: bool = True, fmts: tuple | None = 
                   fmts=_kernel_fmts(config, fmts))
 
 def kernel_unavailable(config=None) -> str | None:
-    """Why the kernel of `config` (default: `gemm.default_config()`, the format's fastest; or a `KernelRef`) cannot run
+    """Why the kernel of `config` (default: `registry.default_config()`, the format's fastest; or a `KernelRef`) cannot
+    run
     on the current CUDA device, or None when it can: no device, no such registered kernel, another compute
     capability, or a kernel module that does not import."""
     if not torch.cuda.is_available():
         return "no CUDA device"
     try:
-        config = gemm.default_config() if config is None else resolve_config(config)
+        config = registry.default_config() if config is None else resolve_config(config)
     except (ValueError, TypeError) as e:
         return f"{type(e).__name__}: {e}"
-    spec = gemm.spec_for(config)
+    spec = registry.spec_for(config)
     try:
         need = tuple(spec.kernel_class().requirements(config).capability)
     except ImportError as e:
@@ -333,7 +335,7 @@ def stock_gemm_ptx(which: str, M: int, N: int, K: int, path: str | None = None, 
     kernel, (ab, _, c_dt) = stock_gemm_kernel(which, path)
     fake = lambda dt, rows, cols: make_fake_compact_tensor(dt, (rows, cols, 1), stride_order=(1, 0, 2),
                                                            assumed_align=16)
-    clusters = gemm.DEFAULT_NUM_SMS // math.prod(STOCK_CLUSTER)
+    clusters = heuristics.DEFAULT_NUM_SMS // math.prod(STOCK_CLUSTER)
     with tempfile.TemporaryDirectory() as d:
         cute.compile(kernel, fake(ab, M, K), fake(ab, N, K), fake(c_dt, M, N), clusters, make_fake_stream(),
                      options=f"--gpu-arch {arch} --keep-ptx --dump-dir {d}")
@@ -356,7 +358,7 @@ DIAGNOSTICS = (Method("torch_fp8_gemm", torch_fp8_gemm, checked=False),
                kernel_method("w4a4_v2_mma_only", HopperV2Config(ablate=("decode", "promote")), checked=False))
 
 # %% ../../nbs/20_bench.ipynb #5a1e0c05
-# the int4_pg GEMM as a layer runs it: v2 with the tile `gemm.tile_choice` picks
+# the int4_pg GEMM as a layer runs it: v2 with the tile `heuristics.tile_choice` picks
 PG_KERNEL = KernelRef("int4_pg", "v2", chosen=True)
 PG_KERNELS = (kernel_method("w4a4_pg", PG_KERNEL),
               kernel_method("w4a4_pg_2cta", KernelRef("int4_pg", "v2", fields=(("cluster_n", 2),))),
