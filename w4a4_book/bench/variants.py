@@ -221,15 +221,15 @@ def _print_recorded(variant: str, why_not: str) -> int:
 def run(args) -> int:
     "Measure the variant on a GPU the int4_pg kernel runs on and save its record; elsewhere print its records."
     check_timing(args.iters, 0)
-    if isinstance(args.rank, bool) or not isinstance(args.rank, int) or args.rank < 0 or args.rank % 16:
-        raise ValueError(f"--rank must be a non-negative multiple of 16, got {args.rank!r}")
+    if isinstance(args.rank, bool) or not isinstance(args.rank, int) or args.rank <= 0 or args.rank % 16:
+        raise ValueError(f"--rank: must be a positive multiple of 16, got {args.rank!r}")
     if args.out: check_output_path(args.out, "--out")
     why_not = kernel_unavailable()
     if why_not is not None:
         return _print_recorded(args.variants, why_not)
     variant = VARIANTS[args.variants]
-    gpu = gpu_key(torch.cuda.get_device_name()).lower().replace(" ", "-")
-    path = Path(args.out or data_dir() / variant.record.format(gpu=gpu))
+    gpu = lambda: gpu_key(torch.cuda.get_device_name()).lower().replace(" ", "-")   # "h200"
+    path = Path(args.out or data_dir() / variant.record.format(gpu=gpu()))
     rows = measure_variant(variant, args.rank, args.iters)
     command = command_line(f"w4a4-book bench-gemm --variants {args.variants}", path, args, OPTIONS)
     prov = provenance(command, [list(s) for s in variant.shapes], kind=variant.kind, rank=args.rank,
