@@ -238,3 +238,31 @@ def test_checks_cover_every_registered_sm90_kernel():
     assert {gemm.spec_for(c).key for c, _ in checks.gemm_cases().values()} == registered
     assert set(checks.ACTIVATION_CASES.values()) == set(gemm.ACTIVATION_FORMATS)
     assert checks.check_parser().parse_args(["launch", "refused v1 int4 pair 64-row R=256"]).case in checks.refused_cases()
+
+
+def test_latency_runs_on_stand_ins(monkeypatch, tmp_path, saved):
+    "The `latency` probe end to end with the pointer chase stood in for: DRAM and L2, each the median of its runs."
+    import w4a4_book.bench.latency as chase
+    monkeypatch.setattr(chase, "dram_latency", lambda nbytes, hops: 5e-7)
+    assert probes.main(["latency", "--out", str(tmp_path / "l.json"), "--repeats", "3"]) == 0
+    assert [(r["where"], r["runs"]) for r in saved["rows"]] == [("dram", [5e-7] * 3), ("l2", [5e-7] * 3)]
+    assert saved["prov"]["command"] == "python -m w4a4_book.probes latency --out nbs/data/l.json --repeats 3"
+
+
+def test_decode_cost_runs_each_variant_in_a_process(monkeypatch, tmp_path, saved):
+    "`decode-cost` runs this module once per variant (`--one`), the kernel cache off, and saves every row they print."
+    import json
+    calls = []
+
+    def run(cmd, env, **k):
+        calls.append((cmd, env["W4A4_BOOK_KERNEL_CACHE"]))
+        v = cmd[cmd.index("--one") + 1]
+        rows = [dict(method=m, variant=v, M=M, N=N, K=K, median_ms=0.1, of_stock=1.0)
+                for M, N, K in probes.DECODE_SHAPES for m in ("cute_int8_gemm", v)]
+        return subprocess.CompletedProcess(cmd, 0, "ROWS " + json.dumps(rows) + "\n", "")
+    monkeypatch.setattr(subprocess, "run", run)
+    assert probes.main(["decode-cost", "--out", str(tmp_path / "d.json")]) == 0
+    assert [c[c.index("--one") + 1] for c, _ in calls] == list(probes.DECODE_VARIANTS)
+    assert all(c[:4] == [sys.executable, "-m", "w4a4_book.probes", "decode-cost"] and off == "off" for c, off in calls)
+    assert len(saved["rows"]) == 2 * len(probes.DECODE_SHAPES) * len(probes.DECODE_VARIANTS)
+    assert saved["prov"]["command"] == "python -m w4a4_book.probes decode-cost --out nbs/data/d.json"
