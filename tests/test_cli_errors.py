@@ -130,6 +130,12 @@ CLI_CASES = [
     (["bench-block", "--modes", "warp"], "argument --modes: invalid choice"),
     (["bench-block", "--iters", "3"], "iters must be an int >= 20"),
     (["bench-block", "--out", UNWRITABLE], "--out: "),
+    # bench-gemm
+    (["bench-gemm"], "the following arguments are required: --variants"),
+    (["bench-gemm", "--variants", "nope"], "argument --variants: invalid choice"),
+    (["bench-gemm", "--variants", "epilogue", "--iters", "3"], "iters must be an int >= 20"),
+    (["bench-gemm", "--variants", "epilogue", "--rank", "24"], "--rank: must be a positive multiple of 16"),
+    (["bench-gemm", "--variants", "epilogue", "--out", UNWRITABLE], "--out: "),
     # no command
     (["no-such-command"], "argument COMMAND: invalid choice"),
 ]

@@ -13,6 +13,7 @@ import w4a4_book.gemm as gemm
 import w4a4_book.heuristics as heuristics
 import w4a4_book.registry as registry
 import w4a4_book.smem as smem
+from w4a4_book.checks import SM100_V1_CASES, SM100_V2_CASES
 from w4a4_book.formats import quantize
 from w4a4_book.operands import Problem, check_problem
 from w4a4_book.reference import w4a4_gemm_ref
@@ -106,11 +107,10 @@ def test_config_errors_name_the_field():
 
 
 # ---------------------------------------------------------------- compiled for sm_100a, in a subprocess
-COMPILES = [(1, 32, "per_cta"), (1, 0, "per_cta"), (2, 32, "per_cta"), (2, 32, "pair"), (2, 128, "pair")]
-# v2: (cta_group, R, accounting, tile_n, acc_stages)
-COMPILES_V2 = [(2, 32, "per_cta", 256, 1), (2, 32, "pair", 256, 1), (2, 128, "per_cta", 256, 1),
-               (2, 128, "pair", 256, 1), (2, 0, "per_cta", 256, 1), (1, 32, "per_cta", 256, 1),
-               (2, 32, "per_cta", 128, 2)]
+COMPILES = list(SM100_V1_CASES)          # (cta_group, R, accounting): the cases whose PTX digests the package holds
+# v2 (cta_group, R, accounting, tile_n, acc_stages): those cases, and the two more that
+# `test_v2_pair_loses_compiled_stages` compares (each R under the other accounting)
+COMPILES_V2 = [*SM100_V2_CASES, (2, 32, "pair", 256, 1), (2, 128, "per_cta", 256, 1)]
 
 
 def _v2_config(cg, R, acct, tile_n, acc_stages):

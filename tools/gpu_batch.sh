@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One call on a lent Hopper machine: the steps of tools/gpu_checks.py named on the command line, in order, each given
-# at most its cap and never more than what is left of the call's budget; their records and logs go to OUT.
+# One call on a lent Hopper machine: the steps of `python -m w4a4_book.checks` named on the command line, in order,
+# each given at most its cap and never more than what is left of the call's budget; their records and logs go to OUT.
+# Run it from the checkout's root, so that `python3 -m` imports this checkout's package.
 #   bash tools/gpu_batch.sh OUT BUDGET_S suite sanitize diagnose moves ladder
 set -uo pipefail
 out=${1:?an output folder}; end=$(( $(date +%s) + ${2:?a budget in seconds} )); shift 2
@@ -11,10 +12,10 @@ for step in "$@"; do
     [ "$t" -gt 20 ] || { echo "$step: no time left"; continue; }
     echo "== $step (at most $t s)"
     case $step in
-        suite) timeout "$t" python3 tools/gpu_checks.py suite --out "$out/gpu_suite_$gpu.json" --workers 14 ;;
-        sanitize) timeout "$t" python3 tools/gpu_checks.py sanitize --out "$out/sanitizer_$gpu.json" --workers 8 ;;
-        diagnose) timeout "$t" python3 tools/gpu_checks.py diagnose --out "$out/diagnose_$gpu.json" ;;
-        moves|ladder) timeout "$t" python3 tools/gpu_checks.py records --out-dir "$out" --only "$step" ;;
+        suite) timeout "$t" python3 -m w4a4_book.checks suite --out "$out/gpu_suite_$gpu.json" --workers 14 ;;
+        sanitize) timeout "$t" python3 -m w4a4_book.checks sanitize --out "$out/sanitizer_$gpu.json" --workers 8 ;;
+        diagnose) timeout "$t" python3 -m w4a4_book.checks diagnose --out "$out/diagnose_$gpu.json" ;;
+        moves|ladder) timeout "$t" python3 -m w4a4_book.checks records --out-dir "$out" --only "$step" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac 2>&1 | tee "$out/$step.log"
 done

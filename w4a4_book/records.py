@@ -18,9 +18,10 @@ from importlib import metadata
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['REQUIRED_PROVENANCE', 'RECORD_SUFFIXES', 'COMMIT_ENV', 'PACKAGED_RECORDS', 'FMT_DEFAULT_WAS', 'CITATIONS', 'validate',
-           'provenance', 'check_output_path', 'save_record', 'load_record', 'data_dir', 'list_records', 'load_rows',
-           'remeasure', 'commit_reachable', 'unverifiable', 'source_title', 'citations', 'markdown_table']
+__all__ = ['REQUIRED_PROVENANCE', 'RECORD_SUFFIXES', 'COMMIT_ENV', 'PACKAGED_RECORDS', 'FMT_DEFAULT_WAS', 'MOVED_COMMANDS',
+           'CITATIONS', 'validate', 'provenance', 'check_output_path', 'save_record', 'load_record', 'data_dir',
+           'list_records', 'load_rows', 'remeasure', 'commit_reachable', 'unverifiable', 'source_title', 'citations',
+           'markdown_table']
 
 # %% ../nbs/22_records.ipynb #4a18b05e
 REQUIRED_PROVENANCE = ("gpu", "driver", "torch", "cutlass_dsl", "commit", "date", "shapes", "command")
@@ -219,13 +220,33 @@ def load_rows(kind: str) -> list[dict]:
 
 # %% ../nbs/22_records.ipynb #5f705051
 FMT_DEFAULT_WAS = {"sweep-stages": "int4", "bench": "int4", "compile": "int4"}   # `--fmt` when these records were made
+MOVED_COMMANDS = {   # a script of the old tools/ folder -> the command that runs the same code now, with its options
+    "python tools/stream_k_gemm.py": "w4a4-book bench-gemm --variants stream_k",
+    "python tools/stream_k.py": "w4a4-book bench-gemm --variants stream_k_layer",
+    "python tools/epilogue_gemm.py": "w4a4-book bench-gemm --variants epilogue",
+    "python tools/tile_heights.py": "w4a4-book bench-gemm --variants tile_heights",
+    "python tools/deferred_store.py": "w4a4-book bench-gemm --variants deferred_store",
+    "python tools/tile_clock.py": "python -m w4a4_book.probes tile-clock",
+    "python tools/decode_cost.py": "python -m w4a4_book.probes decode-cost",
+    "python tools/ncu_stalls.py": "python -m w4a4_book.probes ncu",
+    "python tools/gpu_clocks.py": "python -m w4a4_book.probes gpu-clocks",
+    "python tools/host_parts.py": "python -m w4a4_book.probes host-parts",
+    "python tools/activation_floor.py": "python -m w4a4_book.probes activation-floor",
+    "python tools/one_pass.py": "python -m w4a4_book.probes one-pass",
+    "python tools/latency.py": "python -m w4a4_book.probes latency",
+    "python tools/bench_conversion.py": "python -m w4a4_book.probes conversion",
+    "python tools/gpu_checks.py": "python -m w4a4_book.checks",
+}
 
-def remeasure(provenance: dict, name: str | None = None) -> str:
+def remeasure(provenance: dict, name: str | None = None, as_made: bool = False) -> str:
     """The record's re-measure command, with an absolute `--out` path replaced by `nbs/data/` and the file name (`name`,
-    or the path's), and, where a `w4a4-book` command of `FMT_DEFAULT_WAS` names no `--fmt`, the format it ran with."""
+    or the path's), and, where a `w4a4-book` command of `FMT_DEFAULT_WAS` names no `--fmt`, the format it ran with; a
+    script of `MOVED_COMMANDS` as the command that runs it now, unless `as_made`."""
     if not isinstance(provenance, dict) or not isinstance(provenance.get("command"), str):
         raise TypeError(f"provenance: must be a record's provenance, a dict with its 'command', got {provenance!r:.60}")
     parts = provenance["command"].split()
+    moved = None if as_made else next((m for m in MOVED_COMMANDS if parts[:2] == m.split()), None)
+    parts = MOVED_COMMANDS[moved].split() + parts[2:] if moved else parts
     for i, arg in enumerate(parts[:-1]):
         if arg == "--out" and Path(parts[i + 1]).is_absolute():
             parts[i + 1] = f"nbs/data/{name or Path(parts[i + 1]).name}"
