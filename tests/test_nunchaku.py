@@ -104,6 +104,13 @@ def test_int4_pg_folds_wcscales_and_int4_refuses_them():
     assert (y - ref).norm() / ref.norm() < 0.25        # int4 activations and an int4_pg weight: both coarse
 
 
+def test_int4_pg_is_the_int4_layer_requantized():
+    "Loading as int4_pg gives what `W4A4Linear.to_int4_pg` makes of the int4 layer: the stored values re-quantized."
+    layer = random_layer(256, 256, 32, generator=torch.Generator().manual_seed(7))
+    direct, via = to_w4a4(layer, "int4_pg", "int8").state_dict(), to_w4a4(layer).to_int4_pg("int8").state_dict()
+    assert direct.keys() == via.keys() and all(same(v, via[k]) for k, v in direct.items())
+
+
 def test_reference_model_orders_lora_after_the_affine():
     layer = random_layer(128, 128, 16, generator=torch.Generator().manual_seed(5))
     x = torch.randn(4, 128)
@@ -266,6 +273,15 @@ def test_convert_nunchaku_errors_are_one_line(tmp_path, capsys, argv, match):
     assert main(["convert-nunchaku", str(tmp_path / "in.safetensors"), str(tmp_path / "o.safetensors"), *argv]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and match in err
+
+
+def test_convert_nunchaku_without_diffusers_names_the_extra(tmp_path, capsys, monkeypatch):
+    from w4a4_book.cli import main
+    monkeypatch.setitem(sys.modules, "diffusers", None)                 # `import diffusers` raises ImportError
+    assert main(["convert-nunchaku", str(tmp_path / "in.safetensors"), str(tmp_path / "o.safetensors"),
+                 "--fmt", "int4"]) == 1
+    assert capsys.readouterr().err.strip() == ("w4a4-book convert-nunchaku: a FLUX transformer needs diffusers: "
+                                               "pip install 'w4a4_book[flux]'")
 
 
 def test_convert_nunchaku_names_a_missing_input(tmp_path, capsys):
