@@ -1,6 +1,7 @@
 """nunchaku's int4 FLUX checkpoints: the packer against nunchaku's own output, the unpacked layer bit for bit, the
 mapping onto `W4A4Linear` against a float64 model of nunchaku's operator order, the loader, its errors, the command."""
 import json
+import re
 import subprocess
 import sys
 
@@ -38,6 +39,20 @@ def test_pack_unpack_both_ways(N, K, R):
     assert same(unpack_lowrank(pack_lowrank(up, False), False), up)
     awq = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
     assert same(unpack_awq(pack_awq(awq)), awq)
+
+
+@pytest.mark.parametrize("call, kind, match", [
+    (lambda: pack_weight(torch.zeros(128, 96, dtype=torch.int8)), ValueError, "codes: has shape (128, 96)"),
+    (lambda: pack_weight(torch.zeros(128, 128)), TypeError, "codes: must be a 2-D tensor of int8"),
+    (lambda: unpack_weight(torch.zeros(64, 64, dtype=torch.int8)), ValueError, "qweight: has shape (64, 64)"),
+    (lambda: pack_vector(torch.ones(3, 100)), ValueError, "v: has shape (3, 100)"),
+    (lambda: pack_lowrank(torch.ones(24, 128, dtype=torch.bfloat16), True), ValueError, "w: has shape (24, 128)"),
+    (lambda: pack_awq(torch.zeros(6, 64, dtype=torch.uint8)), ValueError, "q: has shape (6, 64)"),
+    (lambda: unpack_awq(torch.zeros(2, 20, dtype=torch.int32)), ValueError, "qweight: has shape (2, 20)"),
+])
+def test_packer_arguments_are_named(call, kind, match):
+    with pytest.raises(kind, match=re.escape(match)):
+        call()
 
 
 def _stored(layer: NunchakuLayer, prefix: str = "b.0.fc") -> dict:

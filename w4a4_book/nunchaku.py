@@ -21,13 +21,13 @@ from .layers import W4A4Linear, _check_path, _set_module, save_quantized
 from .operands import fail
 
 # %% auto #0
-__all__ = ['NUNCHAKU_COMMIT', 'TILE_N', 'TILE_K', 'GROUP', 'FRAG', 'GELU_SHIFT', 'NUNCHAKU_DIGESTS', 'RUN_FORMATS',
-           'DOUBLE_BLOCK', 'SINGLE_BLOCK', 'BLOCKS', 'W4A16', 'NORMS', 'pack_weight', 'unpack_weight', 'pack_vector',
-           'unpack_vector', 'pack_lowrank', 'unpack_lowrank', 'pack_awq', 'unpack_awq', 'digest', 'packed_digests',
-           'NunchakuLayer', 'random_layer', 'unpack_layer', 'pack_layer', 'nunchaku_ref', 'nunchaku_epilogue_ref',
-           'fold_shift', 'split_rows', 'concat_k', 'to_w4a4', 'awq_linear', 'Target', 'shift_of', 'read_checkpoint',
-           'block_count', 'build_target', 'rel_error', 'target_error', 'exact_error', 'NunchakuReport', 'load_nunchaku',
-           'synthetic_checkpoint', 'flux_from_nunchaku', 'add_arguments', 'run']
+__all__ = ['NUNCHAKU_COMMIT', 'TILE_N', 'TILE_K', 'GROUP', 'FRAG', 'GELU_SHIFT', 'VECTOR_DTYPES', 'NUNCHAKU_DIGESTS',
+           'RUN_FORMATS', 'DOUBLE_BLOCK', 'SINGLE_BLOCK', 'BLOCKS', 'W4A16', 'NORMS', 'pack_weight', 'unpack_weight',
+           'pack_vector', 'unpack_vector', 'pack_lowrank', 'unpack_lowrank', 'pack_awq', 'unpack_awq', 'digest',
+           'packed_digests', 'NunchakuLayer', 'random_layer', 'unpack_layer', 'pack_layer', 'nunchaku_ref',
+           'nunchaku_epilogue_ref', 'fold_shift', 'split_rows', 'concat_k', 'to_w4a4', 'awq_linear', 'Target',
+           'shift_of', 'read_checkpoint', 'block_count', 'build_target', 'rel_error', 'target_error', 'exact_error',
+           'NunchakuReport', 'load_nunchaku', 'synthetic_checkpoint', 'flux_from_nunchaku', 'add_arguments', 'run']
 
 # %% ../nbs/19a_nunchaku.ipynb #6713a89d
 NUNCHAKU_COMMIT = "3a3cc3d0649a7d5bc575dc899a03f2d4456df181"   # nunchaku-tech/nunchaku: the source read for this reader
@@ -37,6 +37,14 @@ FRAG = 16                   # the low-rank factors are stored as 16 x 16 fragmen
 GELU_SHIFT = 0.171875       # nunchaku adds it to a GELU output before the next layer's unsigned 4-bit quantization
 
 # %% ../nbs/19a_nunchaku.ipynb #44853319
+def _check_sides(name: str, t, multiples: tuple, dtypes: tuple) -> None:
+    "Raise, naming `name`, unless `t` is a tensor of one of `dtypes` whose sides are multiples of `multiples`."
+    if not isinstance(t, torch.Tensor) or t.dim() != len(multiples) or t.dtype not in dtypes:
+        fail(TypeError, name, f"must be a {len(multiples)}-D tensor of {', '.join(str(d)[6:] for d in dtypes)}, got "
+             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if any(side % m for side, m in zip(t.shape, multiples)):
+        fail(ValueError, name, f"has shape {tuple(t.shape)}: its sides must be multiples of {multiples}")
+
 def _weight_order(t: torch.Tensor) -> torch.Tensor:
     """`t` `[N, K]` (any dtype), flat, in the order of nunchaku's packed weights: per tile of 128 rows x 64 values, a
     warp's 32 lanes (8 along N, 4 along K) each hold 2 x 2 registers of 8 consecutive values of K."""
@@ -53,29 +61,35 @@ def _weight_unorder(flat: torch.Tensor, N: int, K: int) -> torch.Tensor:
 def pack_weight(codes: torch.Tensor) -> torch.Tensor:
     """Signed 4-bit codes, int8 `[N, K]` in [-8, 7], packed as nunchaku stores `qweight`: int8 `[N, K/2]`, two codes
     a byte in `_weight_order`, the first in the low nibble (eight codes make one little-endian int32)."""
+    _check_sides("codes", codes, (TILE_N, GROUP), (torch.int8,))
     N, K = codes.shape
     nibbles = (_weight_order(codes) & 0xF).to(torch.uint8).reshape(N, K)
     return pack_nibbles(nibbles).view(torch.int8)
 
 def unpack_weight(qweight: torch.Tensor) -> torch.Tensor:
     "The int8 codes `[N, K]` in [-8, 7] of nunchaku's packed `qweight` `[N, K/2]` (`pack_weight` undone)."
+    _check_sides("qweight", qweight, (TILE_N, GROUP // 2), (torch.int8, torch.uint8))
     N, K = qweight.shape[0], 2 * qweight.shape[1]
     flat = unpack_int4(qweight.view(torch.uint8).contiguous())
     return _weight_unorder(flat.reshape(-1), N, K)
 
 # %% ../nbs/19a_nunchaku.ipynb #b701f906
+VECTOR_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)   # scales and per-channel values
+
 def pack_vector(v: torch.Tensor) -> torch.Tensor:
     """Per-channel values `[N]`, or per-group scales `[K/64, N]`, in nunchaku's scale order (`pack_scale`): within
     128 channels, 32 lanes of 4 values, channel `16a + 8b + 2c + d` at `16a + 4c + 2b + d`; the groups of one 128
     channel tile lie together. The same shape back."""
-    m = v.reshape(1, -1) if v.dim() == 1 else v
+    m = v.reshape(1, -1) if isinstance(v, torch.Tensor) and v.dim() == 1 else v
+    _check_sides("v", m, (1, TILE_N), VECTOR_DTYPES)
     G, N = m.shape
     t = m.T.reshape(N // 128, 1, 8, 2, 4, 2, G).permute(0, 6, 1, 2, 4, 3, 5)
     return t.reshape(v.shape)
 
 def unpack_vector(p: torch.Tensor) -> torch.Tensor:
     "`pack_vector` undone."
-    m = p.reshape(1, -1) if p.dim() == 1 else p
+    m = p.reshape(1, -1) if isinstance(p, torch.Tensor) and p.dim() == 1 else p
+    _check_sides("p", m, (1, TILE_N), VECTOR_DTYPES)
     G, N = m.shape
     t = m.reshape(N // 128, G, 1, 8, 4, 2, 2).permute(0, 2, 3, 5, 4, 6, 1)
     return t.reshape(N, G).T.reshape(p.shape)
@@ -84,6 +98,7 @@ def unpack_vector(p: torch.Tensor) -> torch.Tensor:
 def pack_lowrank(w: torch.Tensor, down: bool) -> torch.Tensor:
     """A low-rank factor in nunchaku's fragment order (`pack_lowrank_weight`): `down` `[R, K]` (the layout of a LoRA's
     A) stored as `[K, R]`, or `up` `[N, R]` stored as `[N, R]`; per 16 x 16 fragment, 8 x 4 lanes of 2 x 2 x 2."""
+    _check_sides("w", w, (FRAG, FRAG), (torch.bfloat16, torch.float16))
     a, b = w.shape
     f = w.reshape(a // FRAG, FRAG, b // FRAG, FRAG)
     f = f.permute(2, 0, 1, 3) if down else f.permute(0, 2, 1, 3)
@@ -92,6 +107,7 @@ def pack_lowrank(w: torch.Tensor, down: bool) -> torch.Tensor:
 
 def unpack_lowrank(p: torch.Tensor, down: bool) -> torch.Tensor:
     "`pack_lowrank` undone: `down` `[R, K]` from its stored `[K, R]`, `up` `[N, R]`."
+    _check_sides("p", p, (FRAG, FRAG), (torch.bfloat16, torch.float16))
     c, r = p.shape
     outer = (c // FRAG, r // FRAG)
     f = p.reshape(*outer, 8, 4, 2, 2, 2).permute(0, 1, 4, 2, 5, 3, 6).reshape(*outer, FRAG, FRAG)
@@ -101,6 +117,7 @@ def unpack_lowrank(p: torch.Tensor, down: bool) -> torch.Tensor:
 def pack_awq(q: torch.Tensor) -> torch.Tensor:
     """Unsigned 4-bit codes `[N, K]` in [0, 15] packed as nunchaku's W4A16 (AWQ) layers store them: int32
     `[N/4, K/2]`; per 32 values, value `8i + j` in nibble `i` of 16-bit word `j`; four rows interleaved per 64."""
+    _check_sides("q", q, (4, GROUP), (torch.uint8,))
     N, K = q.shape
     v = q.to(torch.int32).reshape(N, K // 32, 4, 8)
     words = v[:, :, 0] | (v[:, :, 1] << 4) | (v[:, :, 2] << 8) | (v[:, :, 3] << 12)       # [N, K/32, 8]
@@ -109,6 +126,7 @@ def pack_awq(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_awq(qweight: torch.Tensor) -> torch.Tensor:
     "`pack_awq` undone: uint8 codes `[N, K]` in [0, 15]."
+    _check_sides("qweight", qweight, (1, GROUP // 2), (torch.int32,))
     N, K = 4 * qweight.shape[0], 2 * qweight.shape[1]
     words = qweight.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
     words = words.reshape(N // 4, K // 64, 4, 16).permute(0, 2, 1, 3).reshape(N, K // 32, 1, 8)
@@ -152,8 +170,10 @@ class NunchakuLayer(NamedTuple):
 
     def weight(self) -> torch.Tensor:
         "The 4-bit product's weight `[N, K]`, float64: codes x group scale x `wtscale` x `wcscales`."
-        w = self.codes.double() * self.wscales.double().T.repeat_interleave(GROUP, dim=1) * self.wtscale
-        return w if self.wcscales is None else w * self.wcscales.double()[:, None]
+        (N, K), scale = self.codes.shape, self.wscales.double().T * self.wtscale                      # [N, K/64]
+        if self.wcscales is not None:
+            scale = scale * self.wcscales.double()[:, None]
+        return (self.codes.double().reshape(N, K // GROUP, GROUP) * scale[..., None]).reshape(N, K)
 
 # %% ../nbs/19a_nunchaku.ipynb #8196f269
 def random_layer(N: int, K: int, rank: int = 32, dtype: torch.dtype = torch.bfloat16, shift: float = 0.0,
