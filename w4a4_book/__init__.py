@@ -18,7 +18,8 @@ _PUBLIC = {"quantize": "formats", "dequantize": "formats", "QTensor": "formats",
            "Problem": "operands", "solve": "smem", "explain": "smem", "HopperV1Config": "smem",
            "HopperV2Config": "smem", "gemm_w4a4": "gemm", "gemm_launcher": "gemm", "compile_kernel": "jit",
            "W4A4Linear": "layers",
-           "quantize_model": "layers", "save_quantized": "layers", "load_quantized": "layers"}
+           "quantize_model": "layers", "save_quantized": "layers", "load_quantized": "layers",
+           "load_nunchaku": "nunchaku"}
 
 def __getattr__(name):
     "The public names, imported from their modules on first use (PEP 562), so `import w4a4_book` stays light."
