@@ -248,7 +248,7 @@ API_CASES = [
     (lambda: smem.HopperPgConfig(arch="sm_80"), ValueError, "arch='sm_80'"),
     (lambda: smem.HopperPgConfig(fmt="int4"), ValueError, "fmt='int4'"),
     (lambda: smem.Sm100V2Config(acc_stages=3), ValueError, "acc_stages=3"),
-    (lambda: smem.solve("cfg"), TypeError, "cfg must be one of"),
+    (lambda: smem.solve("cfg"), TypeError, "cfg must be a config whose class carries its budget rules"),
     (lambda: smem.solve(smem.HopperV1Config(), k=-1), ValueError, "k=-1: must be a positive int"),
     (lambda: smem.explain("nope"), ValueError, "cfg='nope'"),
     (lambda: smem.Term("x", 3, 3, "int8", None, ""), ValueError, "align=3"),

@@ -60,7 +60,7 @@ def test_accounting_rows_rejects_bad_input(kw, match):
 
 
 def test_bug_and_fix_are_the_solver_modes():
-    assert {repro.BUG, repro.FIX} == set(smem.FAMILIES[smem.HopperV2Config].accountings) < set(smem.LORA_ACCOUNTING)
+    assert {repro.BUG, repro.FIX} == set(smem.HopperV2Config.rules.accountings) < set(smem.LORA_ACCOUNTING)
     assert repro.LORA_BUG_PROBLEMS == tuple(workloads.bench_problems("m4352", ranks=repro.LORA_BUG_RANKS))
     assert repro.LORA_BUG_CONFIG == smem.HopperV2Config(cluster_n=2)     # v2 as a pair: the only kernel with a pair to mis-charge
 

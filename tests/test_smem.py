@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from w4a4_book.smem import (ARCHS, CONFIGS, DTYPE_BITS, FAMILIES, LORA_ACCOUNTING, BlackwellOrigConfig, HopperV1Config,
+from w4a4_book.smem import (ARCHS, CONFIGS, DTYPE_BITS, LORA_ACCOUNTING, family_of, BlackwellOrigConfig, HopperV1Config,
                             Term, blackwell_orig_terms, budget_segments, check_config, explain, plot_budgets, solve,
                             struct_layout)
 
@@ -137,7 +137,7 @@ PINNED = {
 
 
 def test_pinned_table_covers_named_configs():
-    assert set(PINNED) == {(n, a) for n in CONFIGS for a in FAMILIES[type(CONFIGS[n])].accountings}
+    assert set(PINNED) == {(n, a) for n in CONFIGS for a in family_of(CONFIGS[n]).accountings}
 
 
 def test_hopper_pairs_refuse_the_lu_only_mode():
@@ -145,7 +145,7 @@ def test_hopper_pairs_refuse_the_lu_only_mode():
     for cfg in (HopperV1Config(cluster_n=2), CONFIGS["pg-2cta-r32"]):
         with pytest.raises(ValueError, match="lora_accounting='pair_lu'.*splits only LU"):
             solve(replace(cfg, lora_accounting="pair_lu"))
-    assert FAMILIES[BlackwellOrigConfig].accountings == LORA_ACCOUNTING
+    assert BlackwellOrigConfig.rules.accountings == LORA_ACCOUNTING
 
 
 @pytest.mark.parametrize("key", list(PINNED))
@@ -262,7 +262,7 @@ def _cute_struct(terms):
 def test_budget_fields_match_cute_struct(name, b):
     "The struct a kernel builds from `budget.fields` has `budget.allocated` bytes, and the per_cta budget's offsets."
     s = _cute_struct(b.fields)
-    assert s.size_in_bytes() == b.allocated == struct_layout(FAMILIES[type(b.config)].terms(b.config, b.stages, "per_cta"))[1]
+    assert s.size_in_bytes() == b.allocated == struct_layout(family_of(b.config).terms(b.config, b.stages, "per_cta"))[1]
     if b.config.lora_accounting == "per_cta":
         assert (s._offsets, s.size_in_bytes()) == (b.offsets, b.total)
 
@@ -286,7 +286,7 @@ hopper_configs = st.builds(
     tile_k=st.sampled_from([64, 128, 192, 256]), cluster_n=st.sampled_from([1, 2]),
     lora_rank=st.integers(0, 16).map(lambda x: 16 * x), lora_stages=st.integers(1, 3), decode_stages=st.integers(1, 3),
     out_dtype=st.sampled_from(["bfloat16", "float16", "float32"]), epilogue=st.sampled_from(["tile", "none"]),
-    lora_accounting=st.sampled_from(FAMILIES[HopperV1Config].accountings), max_stages=st.none() | st.integers(1, 12))
+    lora_accounting=st.sampled_from(HopperV1Config.rules.accountings), max_stages=st.none() | st.integers(1, 12))
 blackwell_configs = st.sampled_from([1, 2]).flatmap(lambda c: st.builds(
     BlackwellOrigConfig, cta_group=st.just(c), tile_m=st.just(128 * c), tile_n=st.sampled_from([128, 256]),
     tile_k=st.sampled_from([64, 128, 256]), lora_rank=st.integers(0, 16).map(lambda x: 16 * x),

@@ -8,66 +8,89 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Optional
+from typing import Optional, Protocol, runtime_checkable
 
 import w4a4_book.smem as smem
-from .operands import Problem, fail
+from .operands import Problem, Requirements, fail
 from .heuristics import tile_choice
 
 # %% auto #0
-__all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_FMT', 'KernelSpec', 'register', 'spec_for', 'default_fmt', 'find_kernel',
-           'default_config']
+__all__ = ['REGISTRY', 'DEFAULTS', 'DEFAULT_FMT', 'KernelClass', 'KernelSpec', 'register', 'spec_for', 'default_fmt',
+           'find_kernel', 'default_config']
 
 # %% ../nbs/13d_registry.ipynb #2b4854c8
+@runtime_checkable
+class KernelClass(Protocol):
+    """What a kernel class gives the host layer. Made from its solved budget, a problem and the SM count, it is the
+    `cute.jit` entry point, called with the launch's tensors; its `storage` (the shared-memory struct) exists once it
+    has been traced."""
+    static_m: bool          # True: compiled per M (its grid is sized from M); False: M is read at run time
+    def __init__(self, budget, problem: Problem, num_sms: int) -> None: ...
+    def requirements(self, cfg) -> Requirements: ...    # a classmethod: the shapes its tiles cover, for `cfg`
+    def arguments(self, p: Problem) -> tuple: ...        # its launch's `ArgSpec`s, in order
+    def tensors(self, p: Problem, act, wgt, lora_act, lora_up, wcscales, bias, out) -> list: ...   # theirs, in order
+    def __call__(self, *tensors) -> None: ...
+
 @dataclass(frozen=True)
 class KernelSpec:
-    "One registered kernel: what it computes, the config class that describes it, and where its class lives."
-    arch: str            # the `--gpu-arch` it compiles for
-    kernel: str          # its name in the book: "v1", "v2"
-    fmt: str             # the weights' 4-bit format
-    mainloop: str        # how its K-loop computes that format
-    config: type         # its frozen config: a `smem` family
+    "One registered kernel: the config class that describes it (and names its row), and where its class lives."
+    config: type         # its frozen config: names the row, carries its budget rules (`smem.Family`)
     module: str          # the module that holds its class, imported on first use
     cls: str
     about: str           # one line for listings
 
     @property
+    def arch(self) -> str: return f"{self.config.arch}a"     # the `--gpu-arch` it compiles for: sm_90 -> sm_90a
+    @property
+    def kernel(self) -> str: return self.config.kernel       # its name in the book: "v1", "v2"
+    @property
+    def fmt(self) -> str: return self.config.fmt             # the weights' 4-bit format
+    @property
+    def mainloop(self) -> str: return self.config.mainloop   # how its K-loop computes that format
+    @property
     def key(self) -> tuple: return (self.arch, self.kernel, self.fmt, self.mainloop)
     @property
     def name(self) -> str: return f"{self.kernel} ({self.fmt}, {self.mainloop}, {self.arch})"
-    def kernel_class(self):
-        "The kernel class (its module is imported now: CuTe DSL and torch)."
-        return getattr(import_module(self.module), self.cls)
+    def kernel_class(self) -> KernelClass:
+        "The kernel class (its module is imported now: CuTe DSL and torch); raises unless it is a `KernelClass`."
+        cls = getattr(import_module(self.module), self.cls)
+        if not isinstance(cls, KernelClass):
+            fail(TypeError, "cls", f"{self.module}.{self.cls} is not a KernelClass (static_m, requirements, "
+                                   "arguments, tensors, __call__)")
+        return cls
 
 REGISTRY: dict = {}
 
 def register(spec: KernelSpec) -> KernelSpec:
-    "Add `spec` to the registry; its config class must be one the shared-memory solver knows, and used by no other row."
-    if spec.config not in smem.FAMILIES: fail(TypeError, "config", f"{spec.config.__name__} is not a smem family")
-    if any(s.config is spec.config for s in REGISTRY.values() if s.key != spec.key):
-        fail(ValueError, "config", f"{spec.config.__name__} already describes another kernel")
+    "Add `spec` to the registry; its config class must carry budget rules (`smem.Family`) and name a row of its own."
+    if not isinstance(getattr(spec.config, "rules", None), smem.Family):
+        fail(TypeError, "config", f"{spec.config.__name__} carries no budget rules (`rules`, a smem.Family)")
+    held = REGISTRY.get(spec.key)
+    if held is not None and held.config is not spec.config:     # the same config again replaces its row
+        fail(ValueError, "config", f"{spec.config.__name__} names the row {spec.key}, which "
+                                   f"{held.config.__name__} holds: set its `kernel` or `mainloop`")
     REGISTRY[spec.key] = spec
     return spec
 
-register(KernelSpec("sm_90a", "v1", "int4", "promote", smem.HopperV1Config, "w4a4_book.kernels.sm90_v1", "W4A4GemmV1",
+register(KernelSpec(smem.HopperV1Config, "w4a4_book.kernels.sm90_v1", "W4A4GemmV1",
                     "one CTA per tile, every warp runs the same loop (chapter 4)"))
-register(KernelSpec("sm_90a", "v2", "int4", "promote", smem.HopperV2Config, "w4a4_book.kernels.sm90_v2", "W4A4GemmV2",
+register(KernelSpec(smem.HopperV2Config, "w4a4_book.kernels.sm90_v2", "W4A4GemmV2",
                     "FlashAttention-4's skeleton: warp roles, persistent, 2-CTA (chapter 5)"))
-register(KernelSpec("sm_90a", "v1", "int4_pg", "rs", smem.HopperPgV1Config, "w4a4_book.kernels.sm90_pg", "W4A4GemmPgV1",
+register(KernelSpec(smem.HopperPgV1Config, "w4a4_book.kernels.sm90_pg", "W4A4GemmPgV1",
                     "v1 on the exact-integer mainloop: one CTA per tile, no load warp, MMA warp 0 refills the ring "
                     "(chapter 9)"))
-register(KernelSpec("sm_90a", "v2", "int4_pg", "rs", smem.HopperPgConfig, "w4a4_book.kernels.sm90_pg", "W4A4GemmPg",
+register(KernelSpec(smem.HopperPgConfig, "w4a4_book.kernels.sm90_pg", "W4A4GemmPg",
                     "v2's skeleton, exact-integer mainloop: weights decoded into INT8 wgmma's A registers (chapter 9)"))
-register(KernelSpec("sm_90a", "v2", "int4_pg", "smem", smem.HopperPgSmemConfig, "w4a4_book.kernels.sm90_pg",
+register(KernelSpec(smem.HopperPgSmemConfig, "w4a4_book.kernels.sm90_pg",
                     "W4A4GemmPgSmem",
                     "the same, with a decode warpgroup and a decoded ring in shared memory (chapter 9)"))
-register(KernelSpec("sm_90a", "v2sk", "int4_pg", "rs", smem.HopperPgStreamKConfig, "w4a4_book.kernels.sm90_pg",
+register(KernelSpec(smem.HopperPgStreamKConfig, "w4a4_book.kernels.sm90_pg",
                     "W4A4GemmPgStreamK", "the register decode on a stream-K schedule, cut tiles fixed up in global "
                     "memory (chapter 9; opt-in: exact on the H200, not yet faster)"))
-register(KernelSpec("sm_100a", "v1", "nvfp4", "block_scaled", smem.Sm100V1Config, "w4a4_book.kernels.sm100_v1",
+register(KernelSpec(smem.Sm100V1Config, "w4a4_book.kernels.sm100_v1",
                     "W4A4GemmSm100V1", "sm_100 v1 and the naive pair (--cta-group 2): tcgen05 block-scaled NVFP4 MMA "
                     "(chapter 18a; compiled and checked, never run: opt-in, never a default)"))
-register(KernelSpec("sm_100a", "v2", "nvfp4", "block_scaled", smem.Sm100V2Config, "w4a4_book.kernels.sm100_v2",
+register(KernelSpec(smem.Sm100V2Config, "w4a4_book.kernels.sm100_v2",
                     "W4A4GemmSm100V2", "sm_100 v2: FlashAttention-4's sm100 skeleton, warp roles, persistent, "
                     "cta_group::2 pair tiles (chapter 18b; compiled and checked, never run: opt-in, never a default)"))
 

@@ -224,7 +224,7 @@ def find_moves(k: int = 3840, ranks=LORA_BUG_RANKS, lora_stages=MOVE_LORA_STAGES
             rows.append(dict(config=config_label(cfg), tile_m=cfg.tile_m, R=cfg.lora_rank, lora_stages=cfg.lora_stages,
                              lora_chunk=smem.lora_chunk_of(cfg) if hasattr(cfg, "lora_chunk") else cfg.lora_rank,
                              stages_per_cta=fix, stages_pair=bug,
-                             bug_builds=bug >= smem.FAMILIES[type(cfg)].min_stages))
+                             bug_builds=bug >= smem.family_of(cfg).min_stages))
     return rows
 
 LORA_MOVE_CONFIG = smem.HopperPgConfig(tile_m=128, cluster_n=2, lora_stages=3, lora_chunk=64)   # the original's 4 -> 2
@@ -302,7 +302,7 @@ def measure_lora_bug(problems=LORA_BUG_PROBLEMS, *, config=LORA_BUG_CONFIG, swee
         for r in out.values(): r["fixed_over_bug"] = ratio
         rows += out.values()
         if sweep:
-            lo = smem.FAMILIES[type(config)].min_stages
+            lo = smem.family_of(config).min_stages
             for s in sorted(set(range(lo, f["main_stages"])) - {b["main_stages"]}):
                 cfg = replace(config, lora_accounting=FIX, stages=s)
                 rows.append(dict(**keys, M=M, N=N, K=K, R=R, accounting=FIX, main_stages=s, forced=True,

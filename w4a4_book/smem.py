@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALIGN', 'SWIZZLE_128B_ALIGN', 'DTYPE_BITS',
            'STAGE_KINDS', 'LORA_ACCOUNTING', 'LA_AT_PAIR', 'LU_AT_PAIR', 'GROUP_SIZE', 'PG_GROUP', 'PG_LOOKUP_BYTES',
-           'SM100_EPI_TILE', 'PROMOTIONS', 'ABLATIONS', 'FAMILIES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'BUDGET_KINDS',
-           'CONFIGS', 'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms',
+           'SM100_EPI_TILE', 'PROMOTIONS', 'ABLATIONS', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'BUDGET_KINDS', 'CONFIGS',
+           'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms',
            'HopperV2Config', 'hopper_v2_terms', 'HopperPgConfig', 'lora_chunk_of', 'hopper_pg_terms',
            'HopperPgSmemConfig', 'HopperPgV1Config', 'HopperPgStreamKConfig', 'hopper_pg_smem_terms',
-           'blackwell_orig_terms', 'Family', 'given_stages', 'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms',
-           'Sm100V2Config', 'sm100_v2_terms', 'check_config', 'Budget', 'solve', 'budget_segments', 'plot_budgets',
-           'explain']
+           'blackwell_orig_terms', 'Family', 'given_stages', 'family_of', 'Sm100V1Config', 'sm100_tmem_columns',
+           'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms', 'check_config', 'Budget', 'solve', 'budget_segments',
+           'plot_budgets', 'explain']
 
 # %% ../nbs/06_budget.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -98,10 +98,10 @@ GROUP_SIZE = {"int4": 64, "nvfp4": 16}  # K elements per scale; must equal forma
 
 # %% ../nbs/06_budget.ipynb #16cb5c19
 def _made(cfg) -> None:
-    """What a config of a family runs when it is made: `check_config`, defined below once every family is, so a bad
+    """What a config runs when it is made: `check_config`, defined below once every config has its rules, so a bad
     field is refused by name where it is written, not when the budget is solved."""
     check = globals().get("check_config")
-    if check is not None and type(cfg) in FAMILIES: check(cfg)
+    if check is not None and isinstance(getattr(cfg, "rules", None), Family): check(cfg)
 
 @dataclass(frozen=True)
 class HopperV1Config:
@@ -497,24 +497,26 @@ def given_stages(cfg) -> dict:
     return dict(decode=getattr(cfg, "decode_stages", 0), lora=cfg.lora_stages if cfg.lora_rank else 0,
                 epi=getattr(cfg, "epi_stages", 0))
 
-FAMILIES = {
-    HopperV1Config: Family(hopper_v1_terms, _check_hopper_v1, archs=("sm_90",), fmt="int4",
-                           given=given_stages),
-    HopperV2Config: Family(hopper_v2_terms, _check_hopper_v2, archs=("sm_90",), fmt="int4",
-                           given=given_stages),
-    # NOTES: the register-sourced mainloop decodes K-block k+1 while block k's wgmmas run, and frees k's stage only
-    # once k+1's has landed: it holds two stages at once, so one stage would wait on itself forever.
-    HopperPgConfig: Family(hopper_pg_terms, _check_hopper_pg, archs=("sm_90",), fmt="int4_pg", min_stages=2,
-                           given=given_stages),
-    HopperPgV1Config: Family(hopper_pg_terms, _check_hopper_pg_v1, archs=("sm_90",), fmt="int4_pg", min_stages=2,
-                             given=given_stages),
-    HopperPgStreamKConfig: Family(hopper_pg_terms, _check_hopper_pg_sk, archs=("sm_90",), fmt="int4_pg", min_stages=2,
-                                  given=given_stages),
-    HopperPgSmemConfig: Family(hopper_pg_smem_terms, _check_hopper_pg_smem, archs=("sm_90",), fmt="int4_pg",
-                               given=given_stages),
-    BlackwellOrigConfig: Family(blackwell_orig_terms, _check_blackwell_orig, archs=("sm_100",), fmt="nvfp4", fill="epi",
-                                given=given_stages, accountings=LORA_ACCOUNTING),
-}
+HopperV1Config.rules = Family(hopper_v1_terms, _check_hopper_v1, given_stages, archs=("sm_90",), fmt="int4")
+HopperV2Config.rules = Family(hopper_v2_terms, _check_hopper_v2, given_stages, archs=("sm_90",), fmt="int4")
+# NOTES: the register-sourced mainloop decodes K-block k+1 while block k's wgmmas run, and frees k's stage only
+# once k+1's has landed: it holds two stages at once, so one stage would wait on itself forever.
+HopperPgConfig.rules = Family(hopper_pg_terms, _check_hopper_pg, given_stages, archs=("sm_90",), fmt="int4_pg",
+                              min_stages=2)
+HopperPgV1Config.rules = replace(HopperPgConfig.rules, check=_check_hopper_pg_v1)
+HopperPgStreamKConfig.rules = replace(HopperPgConfig.rules, check=_check_hopper_pg_sk)
+HopperPgSmemConfig.rules = Family(hopper_pg_smem_terms, _check_hopper_pg_smem, given_stages, archs=("sm_90",),
+                                  fmt="int4_pg")
+BlackwellOrigConfig.rules = Family(blackwell_orig_terms, _check_blackwell_orig, given_stages, archs=("sm_100",),
+                                   fmt="nvfp4", fill="epi", accountings=LORA_ACCOUNTING)
+
+def family_of(cfg) -> Family:
+    "The budget rules of config `cfg`, an instance or a class: its class's `rules`."
+    fam = getattr(cfg, "rules", None)
+    if not isinstance(fam, Family):
+        name = cfg.__name__ if isinstance(cfg, type) else type(cfg).__name__
+        raise TypeError(f"cfg must be a config whose class carries its budget rules (`rules`), got {name}")
+    return fam
 
 # %% ../nbs/06_budget.ipynb #d4f9c8f5
 @dataclass(frozen=True)
@@ -563,8 +565,7 @@ def _check_sm100(cfg):
     if cols["alloc"] > TMEM_COLUMNS:
         raise ValueError(f"tile_n={cfg.tile_n}: needs {cols['total']} TMEM columns > {TMEM_COLUMNS}")
 
-FAMILIES[Sm100V1Config] = Family(sm100_terms, _check_sm100, archs=("sm_100",), fmt="nvfp4",
-                                 given=given_stages, accountings=LORA_ACCOUNTING)
+Sm100V1Config.rules = replace(BlackwellOrigConfig.rules, terms=sm100_terms, check=_check_sm100, fill=None)
 
 # %% ../nbs/06_budget.ipynb #8aaa7b57
 @dataclass(frozen=True)
@@ -592,15 +593,12 @@ def _check_sm100_v2(cfg):
                          f"> {TMEM_COLUMNS}")
     _check_sm100(cfg)
 
-FAMILIES[Sm100V2Config] = Family(sm100_v2_terms, _check_sm100_v2, archs=("sm_100",), fmt="nvfp4",
-                                 given=given_stages, accountings=LORA_ACCOUNTING)
+Sm100V2Config.rules = replace(Sm100V1Config.rules, terms=sm100_v2_terms, check=_check_sm100_v2)
 
 # %% ../nbs/06_budget.ipynb #dc89eb3d
 def check_config(cfg) -> None:
     "Raise `ValueError`/`TypeError` naming the first field of `cfg` the kernels cannot build."
-    if type(cfg) not in FAMILIES:
-        raise TypeError(f"cfg must be one of {[c.__name__ for c in FAMILIES]}, got {type(cfg).__name__}")
-    fam = FAMILIES[type(cfg)]
+    fam = family_of(cfg)
     _choice(cfg, "arch", ARCHS)
     _choice(cfg, "arch", fam.archs, f"the {cfg.family} family")
     _choice(cfg, "fmt", (fam.fmt,), f"the {cfg.family} family")
@@ -665,16 +663,16 @@ def _table(b: Budget) -> str:
 
 # %% ../nbs/06_budget.ipynb #1bc81170
 def _size(cfg, stages: dict, accounting: str) -> int:
-    return struct_layout(FAMILIES[type(cfg)].terms(cfg, stages, accounting))[1]
+    return struct_layout(family_of(cfg).terms(cfg, stages, accounting))[1]
 
 def _one_stage(cfg) -> int:
     "Bytes charged for `cfg` with the fewest main stages its family runs with (one, or `Family.min_stages`)."
-    fam = FAMILIES[type(cfg)]
+    fam = family_of(cfg)
     return _size(cfg, {**fam.given(cfg), "main": fam.min_stages}, cfg.lora_accounting)
 
 def _no_fit(cfg, need: int, cap: int) -> str:
     "The error message when one main stage overflows, naming the field to blame."
-    n = FAMILIES[type(cfg)].min_stages
+    n = family_of(cfg).min_stages
     fewest = "one main stage needs" if n == 1 else f"{n} main stages (its fewest) need"
     why = f"even {fewest} {need} bytes > {cap} ({cfg.arch})"
     if cfg.lora_rank and _one_stage(replace(cfg, lora_rank=0)) <= cap:
@@ -691,7 +689,7 @@ def solve(cfg, *, k: int | None = None) -> Budget:
     check_config(cfg)
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
         raise ValueError(f"k={k!r}: must be a positive int, the problem's K")
-    fam, cap = FAMILIES[type(cfg)], ARCHS[cfg.arch].smem_per_block
+    fam, cap = family_of(cfg), ARCHS[cfg.arch].smem_per_block
     st = {**fam.given(cfg), "main": cfg.stages or fam.min_stages}
     fits = lambda **more: _size(cfg, {**st, **more}, cfg.lora_accounting) <= cap
     if not fits():

@@ -27,14 +27,14 @@ def max_stages(config, problem: Problem) -> int:
 def min_stages(config) -> int:
     """The fewest main stages the kernel of `config` runs with: where a sweep starts (two for the int4_pg mainloop, else
     one)."""
-    if type(config) not in smem.FAMILIES:
+    if not isinstance(getattr(config, "rules", None), smem.Family):
         raise TypeError(f"config: expected a smem family's config, got {type(config).__name__}")
-    return smem.FAMILIES[type(config)].min_stages
+    return smem.family_of(config).min_stages
 
 def solver_marks(config, problem: Problem) -> dict:
     """Main stages the solver picks for the kernel of `config` on `problem` under each accounting mode, for marking the
     curve."""
-    return {a: max_stages(replace(config, lora_accounting=a), problem) for a in smem.FAMILIES[type(config)].accountings}
+    return {a: max_stages(replace(config, lora_accounting=a), problem) for a in smem.family_of(config).accountings}
 
 # %% ../nbs/08_pipeline_depth.ipynb #86b950c8
 def sweep_stages(configs=SWEEP_CONFIGS, problems=SWEEP_PROBLEMS, *, iters=20, warmup=3, quiet=False):
