@@ -28,6 +28,7 @@ def patch_decode(variant: str) -> None:
     import cutlass, cutlass.cute as cute
     from cutlass.cutlass_dsl import T, dsl_user_op
     from cutlass._mlir.dialects import llvm
+    import w4a4_book.kernels.pg_decode as pg_decode
     import w4a4_book.kernels.sm90_pg as pg
 
     @dsl_user_op
@@ -57,7 +58,7 @@ def patch_decode(variant: str) -> None:
         for b in range(4):
             u = (uw >> (8 * b)) & cutlass.Uint32(0xFF)
             consts.append((u, u << 28, cutlass.Uint32(FLIP) - u * cutlass.Uint32(EIGHTS)))
-        for r, (i, e, half, b) in pg.DECODE.items():
+        for r, (i, e, half, b) in pg_decode.DECODE.items():
             f32[r] = cutlass.Int32(word(vec[i][e], half, *consts[b]))
 
     pg.W4A4GemmPg.load_decode = load_decode

@@ -25,7 +25,7 @@ def clock_kernel_class():
     import cutlass.cute as cute
     from cutlass.cutlass_dsl import T, dsl_user_op
     from cutlass._mlir.dialects import llvm
-    from w4a4_book.kernels import sm90_pg as pg
+    from w4a4_book.kernels import pg_decode, pg_variants, sm90_pg
 
     @dsl_user_op
     def special(reg, *, loc=None, ip=None):
@@ -33,19 +33,19 @@ def clock_kernel_class():
         return cutlass.Int32(llvm.inline_asm(T.i32(), [], f"mov.u32 $0, %{reg};", "=r", has_side_effects=True,
                                              is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
-    class ClockGemm(pg.W4A4GemmPg):
+    class ClockGemm(sm90_pg.W4A4GemmPg):
         "`W4A4GemmPg` with a tile's clock reads in the stream-K workspace (`pg_sk_arguments`)."
-        arguments = staticmethod(pg.pg_sk_arguments)
-        tensors = staticmethod(pg.pg_sk_tensors)
+        arguments = staticmethod(pg_variants.pg_sk_arguments)
+        tensors = staticmethod(pg_variants.pg_sk_tensors)
 
-        def unit_kloop(self, mmas, acc, frags, tCrB, dv, pipe, states, fill, kt, after_first=None):
+        def unit_kloop(self, kl, states, kt, after_first=None):
             self._marks = [special("clock"), special("globaltimer_lo")]
-            out = super().unit_kloop(mmas, acc, frags, tCrB, dv, pipe, states, fill, kt, after_first)
+            out = super().unit_kloop(kl, states, kt, after_first)
             self._marks.append(special("clock"))
             return out
 
-        def epi_reads(self, st, layouts, vecs, pre, t, wgi, m, n, M):
-            out = super().epi_reads(st, layouts, vecs, pre, t, wgi, m, n, M)
+        def epi_reads(self, cta, pre, t, wgi, m, n):
+            out = super().epi_reads(cta, pre, t, wgi, m, n)
             self._marks.append(special("clock"))
             return out
 
@@ -55,12 +55,12 @@ def clock_kernel_class():
             super().finish(reads, views, accf, tCcC, out, e)
 
         @cute.jit
-        def unit_end(self, st, loads, vecs, mmas, layouts, lora_pipe, lcons, accs, pre, where, m, n, M, role):
-            lcons = super().unit_end(st, loads, vecs, mmas, layouts, lora_pipe, lcons, accs, pre, where, m, n, M, role)
+        def unit_end(self, cta, thr, lcons, pre, m, n, role, held=None):
+            lcons = super().unit_end(cta, thr, lcons, pre, m, n, role, held)
             c2, g2 = special("clock"), special("globaltimer_lo")
-            t, wgi, cta = where
+            t, wgi, vecs = thr.t, thr.wgi, cta.vecs
             c0, g0, c1, ca, cb = self._marks
-            w = ((m * (self.problem.N // pg.TILE_N) + n) * 2 + wgi) * WORDS
+            w = ((m * (self.problem.N // pg_decode.TILE_N) + n) * 2 + wgi) * WORDS
             if t == 0:
                 vecs.partials[w] = cta.cluster_id
                 vecs.partials[w + 1] = c0
@@ -103,7 +103,7 @@ def main(argv=None):
     from w4a4_book import gemm, smem
     from w4a4_book.bench.timing import time_cuda
     from w4a4_book.bench.workloads import make_workload
-    from w4a4_book.kernels import sm90_pg as pg
+    from w4a4_book.kernels import pg_decode, pg_variants
     from w4a4_book.records import provenance, save_record
     Clock, rows = clock_kernel_class(), []
     R = a.rank
@@ -114,8 +114,8 @@ def main(argv=None):
         config = gemm.tile_choice(gemm.default_config("int4_pg"), p)
         dev = tensors[0].device
         kern = Clock(smem.solve(gemm.bind(config, p), k=K), p, gemm.sm_count(dev.index))
-        fn = gemm.launchable(("tile_clock", config, p.signature(False)), dev, lambda: (kern, pg.pg_sk_arguments(p), True))
-        ts = pg.pg_sk_tensors(p, *w.operands, torch.empty_like(lib_out))
+        fn = gemm.launchable(("tile_clock", config, p.signature(False)), dev, lambda: (kern, pg_variants.pg_sk_arguments(p), True))
+        ts = pg_variants.pg_sk_tensors(p, *w.operands, torch.empty_like(lib_out))
         launch = lambda: fn(*ts)
         lib_launch(), launch()
         torch.cuda.synchronize()
@@ -125,7 +125,7 @@ def main(argv=None):
         ts[10].zero_()
         launch()
         torch.cuda.synchronize()
-        tiles = -(-M // config.tile_m) * (N // pg.TILE_N)
+        tiles = -(-M // config.tile_m) * (N // pg_decode.TILE_N)
         words = ts[10][:tiles * 2 * WORDS].view(tiles * 2, WORDS).cpu().numpy().astype("int64") % 2 ** 32
         s = tile_rows(words, K, config.tile_k)
         rows.append(dict(M=M, N=N, K=K, R=R, config=repr(config), equals_library=equal,
