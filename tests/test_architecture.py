@@ -21,13 +21,15 @@ LAYERS = [
     ("jit",),                                                       # building, compiling, the kernel cache
     ("registry",),                                                  # the kernels, by row
     ("heuristics",),                                                # a config bound to its problem: tiles, grids
-    ("kernels.sm90_v1", "kernels.sm90_v2", "kernels.sm90_quant", "kernels.sm90_pg*", "kernels.sm90_v*", "kernels.sm100_v*"),  # kernels
-    ("kernels.sm100_parts",),                                       # the Blackwell parts, on the generic ones below
+    ("kernels.pg_variants",),                                       # the exact-integer kernel's variants, on their base
+    ("kernels.sm90_v1", "kernels.sm90_v2", "kernels.sm90_quant", "kernels.sm90_pg", "kernels.sm100_v*"),  # kernels
+    ("kernels.sm100_parts", "kernels.pg_decode"),                   # one family's parts: Blackwell's, the int4_pg decode
     ("kernels.sm90_parts",),                                        # kernel parts
+    ("kernels.scheduler", "kernels.barriers", "kernels.ptx"),       # tile schedulers, barriers, inline PTX
     ("cache",),                                                     # what the host layer keeps between calls
     ("smem", "reference", "operands", "formats", "records"),        # foundations
 ]
-SIBLINGS_MAY_IMPORT = {1, 12}     # experiments build on each other, foundations too; kernels never import kernels
+SIBLINGS_MAY_IMPORT = {1, 14}     # experiments build on each other, foundations too; kernels never import kernels
 EXEMPT = {"__init__", "_modidx", "kernels", "kernels.__init__", "bench.__init__"}   # the package facade and nbdev's index
 
 

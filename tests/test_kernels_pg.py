@@ -63,7 +63,7 @@ def test_the_decode_multiplies_nothing():
     """The register decode is table lookups (`prmt`) and logic: no integer multiply of weights by u in the PTX (on the
     H200 those cost the INT8 tensor pipe throughput, chapter 9), and the lookup tables are the solver's term."""
     from w4a4_book import smem
-    from w4a4_book.kernels.sm90_pg import DECODE_LOOKUP
+    from w4a4_book.kernels.pg_decode import DECODE_LOOKUP
     assert smem.PG_LOOKUP_BYTES == DECODE_LOOKUP.nbytes
     for cfg in (HopperPgConfig(), HopperPgSmemConfig(), HopperPgV1Config()):
         rep = jit.compile_kernel(cfg, pg_problem(4352, 3072, 3840, 0))

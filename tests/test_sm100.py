@@ -261,7 +261,7 @@ def test_v2_roles_are_data():
 
 
 def test_v2_scheduler_covers_every_tile_once():
-    from w4a4_book.kernels.sm90_parts import raster
+    from w4a4_book.kernels.scheduler import raster
     for m_tiles, n_tiles, cg, sms in [(17, 12, 2, 148), (3, 2, 1, 132), (40, 12, 2, 148)]:
         s = v2.PairRaster(m_tiles, n_tiles, cg)
         c = s.clusters(sms)

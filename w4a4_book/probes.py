@@ -72,7 +72,7 @@ def clock_kernel_class():
     import cutlass.cute as cute
     from cutlass.cutlass_dsl import T, dsl_user_op
     from cutlass._mlir.dialects import llvm
-    from w4a4_book.kernels import sm90_pg as pg
+    from w4a4_book.kernels import pg_decode, pg_variants, sm90_pg
 
     @dsl_user_op
     def special(reg, *, loc=None, ip=None):
@@ -80,19 +80,19 @@ def clock_kernel_class():
         return cutlass.Int32(llvm.inline_asm(T.i32(), [], f"mov.u32 $0, %{reg};", "=r", has_side_effects=True,
                                              is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
-    class ClockGemm(pg.W4A4GemmPg):
+    class ClockGemm(sm90_pg.W4A4GemmPg):
         "`W4A4GemmPg` with a tile's clock reads in the stream-K workspace (`pg_sk_arguments`)."
-        arguments = staticmethod(pg.pg_sk_arguments)
-        tensors = staticmethod(pg.pg_sk_tensors)
+        arguments = staticmethod(pg_variants.pg_sk_arguments)
+        tensors = staticmethod(pg_variants.pg_sk_tensors)
 
-        def unit_kloop(self, mmas, acc, frags, tCrB, dv, pipe, states, fill, kt, after_first=None):
+        def unit_kloop(self, kl, states, kt, after_first=None):
             self._marks = [special("clock"), special("globaltimer_lo")]
-            out = super().unit_kloop(mmas, acc, frags, tCrB, dv, pipe, states, fill, kt, after_first)
+            out = super().unit_kloop(kl, states, kt, after_first)
             self._marks.append(special("clock"))
             return out
 
-        def epi_reads(self, st, layouts, vecs, pre, t, wgi, m, n, M):
-            out = super().epi_reads(st, layouts, vecs, pre, t, wgi, m, n, M)
+        def epi_reads(self, cta, pre, t, wgi, m, n):
+            out = super().epi_reads(cta, pre, t, wgi, m, n)
             self._marks.append(special("clock"))
             return out
 
@@ -102,12 +102,12 @@ def clock_kernel_class():
             super().finish(reads, views, accf, tCcC, out, e)
 
         @cute.jit
-        def unit_end(self, st, loads, vecs, mmas, layouts, lora_pipe, lcons, accs, pre, where, m, n, M, role):
-            lcons = super().unit_end(st, loads, vecs, mmas, layouts, lora_pipe, lcons, accs, pre, where, m, n, M, role)
+        def unit_end(self, cta, thr, lcons, pre, m, n, role, held=None):
+            lcons = super().unit_end(cta, thr, lcons, pre, m, n, role, held)
             c2, g2 = special("clock"), special("globaltimer_lo")
-            t, wgi, cta = where
+            t, wgi, vecs = thr.t, thr.wgi, cta.vecs
             c0, g0, c1, ca, cb = self._marks
-            w = ((m * (self.problem.N // pg.TILE_N) + n) * 2 + wgi) * WORDS
+            w = ((m * (self.problem.N // pg_decode.TILE_N) + n) * 2 + wgi) * WORDS
             if t == 0:
                 vecs.partials[w] = cta.cluster_id
                 vecs.partials[w + 1] = c0
@@ -145,13 +145,14 @@ def tile_rows(words, K: int, bk: int) -> dict:
 def _clocked_launch(Clock, w, lib_out) -> tuple:
     """`(config, launch, tensors)`: the library's config for workload `w` and the clocked kernel's launch with it,
     its output beside `lib_out`'s shape."""
-    from w4a4_book.kernels import sm90_pg as pg
+    from w4a4_book.kernels import pg_variants
     _, tensors, _, p, _ = gemm._launch(*w.operands, w.out_dtype, None, None)
     config = heuristics.tile_choice(registry.default_config("int4_pg"), p)
     dev = tensors[0].device
     kern = Clock(smem.solve(heuristics.bind(config, p), k=p.K), p, cache.sm_count(dev.index))
-    fn = jit.launchable(("tile_clock", config, p.signature(False)), dev, lambda: (kern, pg.pg_sk_arguments(p), True))
-    ts = pg.pg_sk_tensors(p, *w.operands, torch.empty_like(lib_out))
+    make = lambda: (kern, pg_variants.pg_sk_arguments(p), True)
+    fn = jit.launchable(("tile_clock", config, p.signature(False)), dev, make)
+    ts = pg_variants.pg_sk_tensors(p, *w.operands, torch.empty_like(lib_out))
     return config, (lambda: fn(*ts)), ts
 
 def _print_tile_clock(row: dict) -> None:
@@ -169,7 +170,7 @@ TILE_CLOCK_OPTIONS = dict(rank=32, iters=30)
 
 def tile_clock(args) -> int:
     "Measure, print and save the `tile-clock` record."
-    from w4a4_book.kernels import sm90_pg as pg
+    from w4a4_book.kernels import pg_decode
     Clock, rows, R = clock_kernel_class(), [], args.rank
     for M, N, K in TILE_CLOCK_SHAPES:
         w = make_workload(M, N, K, R, fmt="int4_pg")
@@ -183,7 +184,7 @@ def tile_clock(args) -> int:
         ts[10].zero_()
         launch()
         torch.cuda.synchronize()
-        tiles = -(-M // config.tile_m) * (N // pg.TILE_N)
+        tiles = -(-M // config.tile_m) * (N // pg_decode.TILE_N)
         words = ts[10][:tiles * 2 * WORDS].view(tiles * 2, WORDS).cpu().numpy().astype("int64") % 2 ** 32
         rows.append(dict(M=M, N=N, K=K, R=R, config=repr(config), equals_library=equal, library_ms=times["library"],
                          clocked_ms=times["clocked"], **tile_rows(words, K, config.tile_k)))
@@ -205,6 +206,7 @@ def patch_decode(variant: str) -> None:
     import cutlass, cutlass.cute as cute
     from cutlass.cutlass_dsl import T, dsl_user_op
     from cutlass._mlir.dialects import llvm
+    import w4a4_book.kernels.pg_decode as pg_decode
     import w4a4_book.kernels.sm90_pg as pg
 
     @dsl_user_op
@@ -234,7 +236,7 @@ def patch_decode(variant: str) -> None:
         for b in range(4):
             u = (uw >> (8 * b)) & cutlass.Uint32(0xFF)
             consts.append((u, u << 28, cutlass.Uint32(FLIP) - u * cutlass.Uint32(EIGHTS)))
-        for r, (i, e, half, b) in pg.DECODE.items():
+        for r, (i, e, half, b) in pg_decode.DECODE.items():
             f32[r] = cutlass.Int32(word(vec[i][e], half, *consts[b]))
 
     pg.W4A4GemmPg.load_decode = load_decode

@@ -76,15 +76,15 @@ register(KernelSpec(smem.HopperV1Config, "w4a4_book.kernels.sm90_v1", "W4A4GemmV
                     "one CTA per tile, every warp runs the same loop (chapter 4)"))
 register(KernelSpec(smem.HopperV2Config, "w4a4_book.kernels.sm90_v2", "W4A4GemmV2",
                     "FlashAttention-4's skeleton: warp roles, persistent, 2-CTA (chapter 5)"))
-register(KernelSpec(smem.HopperPgV1Config, "w4a4_book.kernels.sm90_pg", "W4A4GemmPgV1",
+register(KernelSpec(smem.HopperPgV1Config, "w4a4_book.kernels.pg_variants", "W4A4GemmPgV1",
                     "v1 on the exact-integer mainloop: one CTA per tile, no load warp, MMA warp 0 refills the ring "
                     "(chapter 9)"))
 register(KernelSpec(smem.HopperPgConfig, "w4a4_book.kernels.sm90_pg", "W4A4GemmPg",
                     "v2's skeleton, exact-integer mainloop: weights decoded into INT8 wgmma's A registers (chapter 9)"))
-register(KernelSpec(smem.HopperPgSmemConfig, "w4a4_book.kernels.sm90_pg",
+register(KernelSpec(smem.HopperPgSmemConfig, "w4a4_book.kernels.pg_variants",
                     "W4A4GemmPgSmem",
                     "the same, with a decode warpgroup and a decoded ring in shared memory (chapter 9)"))
-register(KernelSpec(smem.HopperPgStreamKConfig, "w4a4_book.kernels.sm90_pg",
+register(KernelSpec(smem.HopperPgStreamKConfig, "w4a4_book.kernels.pg_variants",
                     "W4A4GemmPgStreamK", "the register decode on a stream-K schedule, cut tiles fixed up in global "
                     "memory (chapter 9; opt-in: exact on the H200, not yet faster)"))
 register(KernelSpec(smem.Sm100V1Config, "w4a4_book.kernels.sm100_v1",

@@ -226,7 +226,7 @@ def hopper_v2_terms(cfg: HopperV2Config, stages: dict, accounting: str) -> list:
 
 # %% ../nbs/06_budget.ipynb #1ad7bb9b
 PG_GROUP = 64                   # int4_pg: one u per 64 values along K (formats.PG_GROUP)
-PG_LOOKUP_BYTES = 16 * 16       # the decode's tables (kernels.sm90_pg.DECODE_LOOKUP): 16 bytes per 4-bit u
+PG_LOOKUP_BYTES = 16 * 16       # the decode's tables (kernels.pg_decode.DECODE_LOOKUP): 16 bytes per 4-bit u
 
 @dataclass(frozen=True)
 class HopperPgConfig:
@@ -331,8 +331,8 @@ class HopperPgV1Config(HopperPgConfig):
 
 @dataclass(frozen=True)
 class HopperPgStreamKConfig(HopperPgConfig):
-    """The register-decode kernel on a stream-K schedule (`sm90_parts.StreamK`): the last rounds' tiles shared out by
-    K-blocks, their int32 partials fixed up through global memory. One CTA a cluster; the shared memory of the
+    """The register-decode kernel on a stream-K schedule (`kernels.scheduler.StreamK`): the last rounds' tiles shared
+    out by K-blocks, their int32 partials fixed up through global memory. One CTA a cluster; the shared memory of the
     register-decode kernel, field for field."""
     epi_vectors: str = "smem"
     family: ClassVar[str] = "hopper_pg_sk"

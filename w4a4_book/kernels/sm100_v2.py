@@ -18,7 +18,7 @@ from cutlass.pipeline import pipeline_init_wait
 import cuda.bindings.driver as cuda
 from fastcore.basics import patch
 # absolute imports: CuTe DSL re-executes this module's imports when it traces a kernel
-import w4a4_book.kernels.sm90_parts as parts
+from .scheduler import raster
 from .sm100_parts import NamedBarrier, Sm100GemmBase, Sm100Layouts, Sm100Loads, Sm100Mmas, tile_copies
 
 # %% ../../nbs/18b_sm100_v2.ipynb #ad4745d7
@@ -66,7 +66,7 @@ class PairRaster:
     @cute.jit
     def tile_mn(self, i, cluster_id, n_clusters):
         "The MMA tile `(m, n)` of the cluster's `i`-th turn."
-        return parts.raster(cluster_id + i * n_clusters, self.m_tiles, self.n_tiles, self.group_m, cutlass.min)
+        return raster(cluster_id + i * n_clusters, self.m_tiles, self.n_tiles, self.group_m, cutlass.min)
 
 # %% ../../nbs/18b_sm100_v2.ipynb #e4d39c9c
 class W4A4GemmSm100V2(Sm100GemmBase):

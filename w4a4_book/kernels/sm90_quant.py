@@ -4,10 +4,9 @@
 
 # %% auto #0
 __all__ = ['G', 'INT4_MIN', 'INT4_MAX', 'MAX_RANK', 'PG_U_MIN', 'PG_U_MAX', 'INT8_MAX', 'FLOAT32_MAX', 'VEC', 'ROUNDER',
-           'FAST_U_BASES', 'FAST_U_MARGIN', 'RECIP_7', 'copy_16b', 'div_rn', 'mul_rn', 'recip_or_zero', 'f32_bits',
-           'pack4_bytes', 'round_even_i32', 'smooth_amax', 'max_tree', 'QuantLoads', 'QuantOutputs', 'QuantLoraDown',
-           'row_base', 'group_scale', 'row_scales', 'group_u', 'pack_int8', 'RowCodes', 'st_cluster_f32',
-           'cluster_sync']
+           'FAST_U_BASES', 'FAST_U_MARGIN', 'RECIP_7', 'copy_16b', 'recip_or_zero', 'smooth_amax', 'max_tree',
+           'QuantLoads', 'QuantOutputs', 'QuantLoraDown', 'row_base', 'group_scale', 'row_scales', 'group_u',
+           'pack_int8', 'RowCodes', 'cluster_sync']
 
 # %% ../../nbs/15_quant.ipynb #4256630b
 from typing import NamedTuple
@@ -17,12 +16,11 @@ import cutlass.utils as utils
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
-from cutlass.cutlass_dsl import T, dsl_user_op
-from cutlass._mlir.dialects import llvm
 import cuda.bindings.driver as cuda
 from fastcore.basics import patch
 import w4a4_book.formats as formats
 import w4a4_book.kernels.sm90_parts as parts
+from .ptx import div_rn, f32_bits, mul_rn, pack4_bytes, round_even_i32, st_cluster_f32
 
 # %% ../../nbs/15_quant.ipynb #2ed00b99
 G = formats.GROUP_SIZE["int4"]     # 64: one K-block of the kernel is one scale group
@@ -39,21 +37,6 @@ def copy_16b(dtype):
     "A copy atom that moves 16 bytes of `dtype` per instruction (`ld`/`st` `.v4`), the widest access a thread has."
     return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
 
-def _asm_f32(op, *xs, loc=None, ip=None):
-    return llvm.inline_asm(T.f32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in xs], op,
-                           "=f" + ",f" * len(xs), has_side_effects=False, is_align_stack=False,
-                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-@dsl_user_op
-def div_rn(a, b, *, loc=None, ip=None):
-    "`a / b` correctly rounded (`div.rn.f32`), as torch divides float32 tensors."
-    return cutlass.Float32(_asm_f32("div.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip))
-
-@dsl_user_op
-def mul_rn(a, b, *, loc=None, ip=None):
-    "`a * b` correctly rounded (`mul.rn.f32`: never contracted into an FMA), as torch multiplies float32 tensors."
-    return cutlass.Float32(_asm_f32("mul.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip))
-
 @cute.jit
 def recip_or_zero(s):
     """`1/s` correctly rounded and saturated at the largest float32 where `s > 0`, else 0: `formats.reciprocal`, so a
@@ -62,26 +45,6 @@ def recip_or_zero(s):
     if s > cutlass.Float32(0.0):
         r = cutlass.min(div_rn(cutlass.Float32(1.0), s), cutlass.Float32(FLOAT32_MAX))
     return r
-
-@dsl_user_op
-def f32_bits(a, *, loc=None, ip=None):
-    "The bits of float32 `a` as an Int32."
-    return cutlass.Int32(llvm.bitcast(T.i32(), cutlass.Float32(a).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-@dsl_user_op
-def pack4_bytes(b0, b1, b2, b3, *, loc=None, ip=None):
-    "One word of the low bytes of `b0`..`b3` (`b0` lowest): three `prmt`s."
-    return cutlass.Int32(llvm.inline_asm(
-        T.i32(), [cutlass.Int32(b).ir_value(loc=loc, ip=ip) for b in (b0, b1, b2, b3)],
-        "{ .reg .b32 lo, hi; prmt.b32 lo, $1, $2, 0x0040; prmt.b32 hi, $3, $4, 0x0040; prmt.b32 $0, lo, hi, 0x5410; }",
-        "=r,r,r,r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-@dsl_user_op
-def round_even_i32(a, *, loc=None, ip=None):
-    "`a` rounded to the nearest integer, ties to even (`cvt.rni.s32.f32`), as `torch.round`."
-    return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Float32(a).ir_value(loc=loc, ip=ip)],
-                                         "cvt.rni.s32.f32 $0, $1;", "=r,f", has_side_effects=False,
-                                         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 @cute.jit
 def smooth_amax(xv, sv, xs, has_smooth: cutlass.Constexpr):
@@ -704,18 +667,6 @@ class RowCodes:
 
 
 # %% ../../nbs/15_quant.ipynb #661c9860
-@dsl_user_op
-def st_cluster_f32(addr, rank, value, *, loc=None, ip=None):
-    """Store float32 `value` at shared-memory address `addr` (this CTA's, as an Int32) of cluster CTA `rank`'s copy
-    (`st.shared::cluster`)."""
-    llvm.inline_asm(T.i32(), [cutlass.Int32(addr).ir_value(loc=loc, ip=ip),
-                              cutlass.Int32(rank).ir_value(loc=loc, ip=ip),
-                              cutlass.Float32(value).ir_value(loc=loc, ip=ip)],
-                    "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; st.shared::cluster.f32 [ra], $3; "
-                    "mov.b32 $0, 0; }",
-                    "=r,r,r,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                    loc=loc, ip=ip)
-
 def cluster_sync():
     """Every thread of every CTA of the cluster arrives (release) and waits (acquire): shared memory written before is
     visible after."""

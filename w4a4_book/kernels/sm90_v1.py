@@ -16,8 +16,9 @@ import cuda.bindings.driver as cuda
 # resolve the relative form that nbdev writes for `from w4a4_book... import`
 import w4a4_book.kernels.sm90_parts as parts
 from fastcore.basics import patch
-from .sm90_parts import (GemmTensors, NamedBarrier, tma_split, decode_tile, promote, apply_affine,
+from .sm90_parts import (GemmTensors, tma_split, decode_tile, promote, apply_affine,
                                           store_tile, packed_words, decoded_words, check_decoded_layout)
+from .barriers import epilogue_barrier
 
 # %% ../../nbs/04_v1.ipynb #d6b14293
 class W4A4GemmV1(parts.Int4GemmBase):
@@ -238,4 +239,4 @@ def finish(self: W4A4GemmV1, lora, tile: V1Tile, mmas: parts.Mmas, mWcs, mBias, 
         cute.arch.cluster_arrive()       # no CTA of the pair exits while its peer may still multicast into it
         cute.arch.cluster_wait()
     store_tile(acc, sC, gC, tma_c, mmas.main, self.epi_tile, self.c_dtype, tidx, warp_idx == 0,
-               NamedBarrier.EPILOGUE, self.threads)
+               epilogue_barrier(self.threads))

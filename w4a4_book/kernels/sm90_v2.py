@@ -16,9 +16,12 @@ import cuda.bindings.driver as cuda
 import numpy as np
 from fastcore.basics import patch
 import w4a4_book.kernels.sm90_parts as parts
-from .sm90_parts import (DECODE_SCALE, GemmTensors, NamedBarrier, PersistentRaster, WarpRoles,
+from .sm90_parts import (DECODE_SCALE, GemmTensors, WarpRoles,
                                           decode_tile, promote, apply_affine, store_tile, tma_split, packed_words,
-                                          decoded_words, check_decoded_layout, fma_f32, pinned_i32)
+                                          decoded_words, check_decoded_layout)
+from .barriers import epilogue_barrier, hand_off
+from .ptx import fma_f32, pinned_i32
+from .scheduler import PersistentRaster
 
 # %% ../../nbs/05_v2.ipynb #42a24b95
 ROLES = WarpRoles(load_warp=0, decode_warps=(4, 5, 6, 7), mma_warps=tuple(range(8, 16)),
@@ -245,12 +248,7 @@ def decode(self: W4A4GemmV2, st, layouts: parts.Int4Layouts, pipes: V2Pipes, dti
             else:
                 f = e - bm * (bk // G)
                 sSWd[f % bn, f // bn, dprod.index] = sSW[f % bn, f // bn, cons.index]
-        # the decoded stage is read by wgmma (the async proxy) next
-        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        dec_pipe.producer_commit(dprod)
-        load_pipe.consumer_release(cons)
-        cons.advance()
-        dprod.advance()
+        cons, dprod = hand_off(load_pipe, cons, dec_pipe, dprod)      # the decoded stage to wgmma, the packed one freed
 
 # %% ../../nbs/05_v2.ipynb #2acbb7e9
 @patch
@@ -340,7 +338,7 @@ def mma(self: W4A4GemmV2, st, loads: parts.GemmLoads, mWcs, mBias, mmas: parts.M
                     lcons.advance()
         apply_affine(acc, tCcC, mWcs, mBias, n * bn, self.has_scale, self.has_bias)
         store_tile(acc, sC, cute.local_tile(loads.c_g, (bm, bn), (m, n)), loads.c, mma_i8, self.epi_tile,
-                   self.c_dtype, mtid, is_store_warp, NamedBarrier.EPILOGUE, 32 * len(self.roles.mma_warps))
+                   self.c_dtype, mtid, is_store_warp, epilogue_barrier(32 * len(self.roles.mma_warps)))
 
 # %% ../../nbs/05_v2.ipynb #d5838807
 SMSPS = 4                    # warp schedulers per SM; each issues at most one warp instruction per cycle
