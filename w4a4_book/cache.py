@@ -29,15 +29,17 @@ def kept(obj) -> dict:
     _DERIVED[i] = (weakref.ref(obj, lambda _, d=_DERIVED: d.pop(i, None)), cache)
     return cache
 
-def derived(t: torch.Tensor, what: str, make):
-    """`make(t)`, kept under `t`'s buffer (a view's base) and `what` until `t` moves or is written in place (its version
-    counter), made outside inference mode so that a derived tensor has a counter too. Made afresh each call for an
-    inference `t` (no counter), and kept by no CUDA-graph capture (a captured kernel runs only on replay)."""
-    if t.is_inference():
+def derived(t: torch.Tensor, what: str, make, also: tuple = ()):
+    """`make(t)`, kept under `t`'s buffer (a view's base) and `what` until `t`, or a tensor of `also` it is made from
+    too, moves or is written in place (their version counters), made outside inference mode so that a derived tensor
+    has a counter too. Made afresh each call for an inference tensor (no counter), and kept by no CUDA-graph capture (a
+    captured kernel runs only on replay)."""
+    if t.is_inference() or any(a.is_inference() for a in also):
         return make(t)
     buf = t if t._base is None else t._base
     cache = kept(buf)
-    key, hit = (t.device, t.data_ptr(), t._version), cache.get(what)
+    key = tuple((a.device, a.data_ptr(), a._version) for a in (t, *also))
+    hit = cache.get(what)
     if hit is None or hit[0] != key:
         with torch.inference_mode(False):
             hit = (key, make(t))
@@ -72,12 +74,13 @@ def sm_count(device_index) -> int:
 _WORKSPACES = threading.local()      # per thread: (device, stream) → a byte buffer, kept and grown as needed
 MAX_STREAM_WORKSPACES = 16           # per thread: past this many streams the oldest stream's buffer is dropped
 
-def stream_workspace(dev, nbytes: int) -> Optional[tuple]:
-    """`(key, buf)`: a uint8 buffer of at least `nbytes` on `dev`, one per thread and current CUDA stream (`key`),
-    kept and grown (at least doubled) as needed, for intermediates no caller keeps; None under a CUDA-graph capture (a
-    graph owns its buffers). NOTES: a stream runs its kernels in the order they were enqueued, and one thread enqueues
-    its calls in order, so one call's kernels have read the buffer before the next call's kernels write it; two
-    threads on one stream interleave, hence per thread. A dropped or outgrown buffer goes back to the caching
+def stream_workspace(dev, nbytes: int, name: str = "scratch", zeroed: bool = False) -> Optional[tuple]:
+    """`(key, buf)`: a uint8 buffer of at least `nbytes` on `dev`, one per thread, current CUDA stream and `name`
+    (`key`), kept and grown (at least doubled) as needed, for intermediates no caller keeps; None under a CUDA-graph
+    capture (a graph owns its buffers). `zeroed`: made zero, for kernels that leave it zero again (stream-K's flags).
+    NOTES: a stream runs its kernels in the order they were enqueued, and one thread enqueues its calls in order,
+    so one call's kernels have read the buffer before the next call's kernels write it; two threads on one stream
+    interleave, hence per thread. A dropped or outgrown buffer goes back to the caching
     allocator, which gives it only to later work on the stream it was made on."""
     cuda = dev.type == "cuda"
     if cuda and torch.cuda.is_current_stream_capturing():
@@ -85,12 +88,12 @@ def stream_workspace(dev, nbytes: int) -> Optional[tuple]:
     spaces = getattr(_WORKSPACES, "spaces", None)
     if spaces is None:
         spaces = _WORKSPACES.spaces = {}
-    key = (dev, torch._C._cuda_getCurrentRawStream(dev.index) if cuda else 0, threading.get_ident())
+    key = (dev, torch._C._cuda_getCurrentRawStream(dev.index) if cuda else 0, threading.get_ident(), name)
     buf = spaces.get(key)
     if buf is None or buf.numel() < nbytes:
         if buf is None and len(spaces) >= MAX_STREAM_WORKSPACES:
             del spaces[next(iter(spaces))]
         with torch.inference_mode(False):      # views of it are written in and out of inference mode
-            buf = spaces[key] = torch.empty(max(nbytes, 2 * buf.numel() if buf is not None else 0), dtype=torch.uint8,
-                                            device=dev)
+            size = max(nbytes, 2 * buf.numel() if buf is not None else 0)
+            buf = spaces[key] = (torch.zeros if zeroed else torch.empty)(size, dtype=torch.uint8, device=dev)
     return key, buf

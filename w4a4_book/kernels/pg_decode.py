@@ -9,7 +9,6 @@ __all__ = ['TILE_N', 'TILE_K', 'WORDS_W', 'WORDS_U', 'SIGN_SEL', 'TABLE_WORDS', 
            'decode_fragment', 'write_lookup']
 
 # %% ../../nbs/13k_pg_decode.ipynb #1690f277
-import weakref
 from typing import NamedTuple
 import numpy as np
 import torch
@@ -17,6 +16,7 @@ import cutlass
 import cutlass.cute as cute
 import w4a4_book.formats as formats
 import w4a4_book.operands as operands
+from ..cache import derived
 from .sm90_parts import kernel_bundle
 from .ptx import fence_operand, prmt
 
@@ -83,22 +83,11 @@ def prepack_weights(w: formats.QTensor) -> tuple:
     wq = as_i32(words).reshape(NB, KB, 8, 256).permute(3, 2, 1, 0)            # (256, 8, KB, NB)
     return wq, as_i32(uwords).permute(2, 1, 0)                                 # (64, KB, NB)
 
-# id of the weights' code tensor → (a weak reference to it, its version, the u tensor's, packed)
-_prepacked: dict = {}
-
 def prepacked_weights(w) -> tuple:
-    """`prepack_weights(w)`, packed once per weight tensor and again only when it changes. The cache holds the code
-    tensor weakly, under its id, and forgets the entry when the tensor dies (a new tensor at a freed address, or with
-    a reused id, is a new entry); it checks the tensor's and its u's version counters. An inference tensor has no
-    counter, so its weights are packed afresh on every call (convert a layer outside `torch.inference_mode`)."""
-    if w.data.is_inference() or w.scales.is_inference():
-        return prepack_weights(w)
-    key, version = id(w.data), (w.data._version, id(w.scales), w.scales._version)
-    hit = _prepacked.get(key)
-    if hit is None or hit[0]() is not w.data or hit[1] != version:
-        hit = _prepacked[key] = (weakref.ref(w.data), version, prepack_weights(w))
-        weakref.finalize(w.data, _prepacked.pop, key, None)
-    return hit[2]
+    """`prepack_weights(w)`, kept under the code tensor (`cache.derived`) until it or the u tensor changes (their
+    version counters); packed afresh for inference tensors, which have none (convert a layer outside
+    `torch.inference_mode`)."""
+    return derived(w.data, "pg prepacked", lambda _: prepack_weights(w), also=(w.scales,))
 
 # %% ../../nbs/13k_pg_decode.ipynb #801d6cc9
 def prmt_ref(a, b, sel):

@@ -99,11 +99,7 @@ def sm100_tensors(p: operands.Problem, act, wgt, lora_act, lora_up, wcscales, bi
     gs = (act.global_scale * wgt.global_scale).reshape(1)
     if p.R:
         lora_up = lora_up_prescaled(lora_up, gs)
-    else:
-        lora_act = parts.placeholder(torch.bfloat16, dev, 16 * p.M).view(p.M, 16)
-        lora_up = parts.placeholder(torch.bfloat16, dev, 16 * p.N).view(p.N, 16)
-    wcs = wcscales if wcscales is not None else parts.placeholder(p.wcscales_dtype, dev, p.N)
-    b = bias if bias is not None else parts.placeholder(p.bias_dtype, dev, p.N)
+    lora_act, lora_up, wcs, b = parts.stand_ins(p, lora_act, lora_up, wcscales, bias, dev, torch.bfloat16)
     return [act.data, wgt.data, to_mma_scales(act.scales), to_mma_scales(wgt.scales),
             lora_act, lora_up, wcs, b, gs, out]
 

@@ -6,8 +6,8 @@
 __all__ = ['CUTE_DTYPES', 'HIGH_NIBBLES', 'DECODE_SCALE', 'kernel_bundle', 'GemmTensors', 'ArgSpec', 'fake_tensor',
            'decode_word_ref', 'decode_row_ref', 'kernel_k_order', 'check_decoded_layout', 'packed_words',
            'decoded_words', 'decode_tile', 'tma_split', 'GemmLoads', 'int4_loads', 'promote', 'apply_affine',
-           'store_tile', 'storage_from_budget', 'check_term', 'WarpRoles', 'int4_arguments', 'padded_rows',
-           'placeholder', 'int4_tensors', 'Mmas', 'Int4Layouts', 'Int4GemmBase']
+           'store_tile', 'storage_from_budget', 'check_term', 'WarpRoles', 'int4_arguments', 'padded_rows', 'stand_ins',
+           'int4_tensors', 'Mmas', 'Int4Layouts', 'Int4GemmBase']
 
 # %% ../../nbs/13b_sm90_parts.ipynb #b46235d1
 from dataclasses import dataclass
@@ -24,6 +24,7 @@ from cutlass.base_dsl.typing import get_mlir_types
 from fastcore.basics import patch
 import w4a4_book.formats as formats
 import w4a4_book.operands as operands
+from ..cache import constant
 
 # %% ../../nbs/13b_sm90_parts.ipynb #000259f3
 def kernel_bundle(cls):
@@ -310,22 +311,20 @@ def _padded_scales(s, rows):
     buf[:, :rows] = s
     return buf[:, :rows]
 
-_placeholders = {}
-
-def placeholder(dtype, device, n):
-    "A small zero tensor passed where an optional operand is absent (cached); the kernel never reads it."
-    key = (dtype, device, n)
-    if key not in _placeholders: _placeholders[key] = torch.zeros(n, dtype=dtype, device=device)
-    return _placeholders[key]
+def stand_ins(p: operands.Problem, lora_act, lora_up, wcscales, bias, dev, lora_dtype=None) -> tuple:
+    """`(lora_act, lora_up, wcscales, bias)` of a launch: each operand given, or a zero stand-in the kernel never reads
+    (`cache.constant`): 16-wide LoRA blocks (in `lora_dtype`, default the problem's) at rank 0, vectors of N where the
+    affine has none."""
+    lt = lora_dtype or p.lora_dtype
+    if not p.R:
+        lora_act = constant(0, (16 * p.M,), lt, dev).view(p.M, 16)
+        lora_up = constant(0, (16 * p.N,), lt, dev).view(p.N, 16)
+    wcs = wcscales if wcscales is not None else constant(0, (p.N,), p.wcscales_dtype, dev)
+    return lora_act, lora_up, wcs, bias if bias is not None else constant(0, (p.N,), p.bias_dtype, dev)
 
 def int4_tensors(p: operands.Problem, act, wgt, lora_act, lora_up, wcscales, bias, out) -> list:
-    "The torch tensors of an int4 GEMM's launch, in `int4_arguments` order, with placeholders for absent operands."
-    dev = act.data.device
-    if not p.R:
-        lora_act = placeholder(p.lora_dtype, dev, 16 * p.M).view(p.M, 16)
-        lora_up = placeholder(p.lora_dtype, dev, 16 * p.N).view(p.N, 16)
-    wcs = wcscales if wcscales is not None else placeholder(p.wcscales_dtype, dev, p.N)
-    b = bias if bias is not None else placeholder(p.bias_dtype, dev, p.N)
+    "The torch tensors of an int4 GEMM's launch, in `int4_arguments` order, with stand-ins for absent operands."
+    lora_act, lora_up, wcs, b = stand_ins(p, lora_act, lora_up, wcscales, bias, act.data.device)
     return [act.data, wgt.data, _padded_scales(act.scales, p.M).T, _padded_scales(wgt.scales, p.N).T,
             lora_act, lora_up, wcs, b, out]
 

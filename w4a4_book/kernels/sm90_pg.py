@@ -21,6 +21,7 @@ import cuda.bindings.driver as cuda
 from fastcore.basics import patch
 import w4a4_book.operands as operands
 import w4a4_book.smem as smem
+from ..cache import constant, stream_workspace
 import w4a4_book.kernels.sm90_parts as parts
 from .sm90_parts import WarpRoles, kernel_bundle, tma_split
 from .barriers import warpgroup_barrier
@@ -69,33 +70,27 @@ def sk_arguments(slots: int) -> tuple:
 
 # %% ../../nbs/09_pg.ipynb #8f758268
 def pg_tensors(p: operands.Problem, act, wgt, lora_act, lora_up, wcscales, bias, out) -> list:
-    """The torch tensors of the exact-integer GEMM's launch, in `pg_arguments` order, with placeholders for absent
+    """The torch tensors of the exact-integer GEMM's launch, in `pg_arguments` order, with stand-ins for absent
     operands."""
     dev = act.data.device
     if act.packing != "int8":
         operands.fail(ValueError, "act", "the exact-integer kernel reads int8 activations: pass act.as_int8() or "
                       "the activation kernel's output")
-    if not p.R:
-        lora_act = parts.placeholder(p.lora_dtype, dev, 16 * p.M).view(p.M, 16)
-        lora_up = parts.placeholder(p.lora_dtype, dev, 16 * p.N).view(p.N, 16)
-    wcs = wcscales if wcscales is not None else parts.placeholder(p.wcscales_dtype, dev, p.N)
-    b = bias if bias is not None else parts.placeholder(p.bias_dtype, dev, p.N)
+    lora_act, lora_up, wcs, b = parts.stand_ins(p, lora_act, lora_up, wcscales, bias, dev)
     wq, wu = prepacked_weights(wgt)
     return [act.data, act.base, wq, wu, wgt.base, lora_act, lora_up, wcs, b, out, *sk_tensors(dev, 0)]
 
-_sk_workspace: dict = {}   # (device, slots) → the stream-K partials and flags: zero between launches
-
 def sk_tensors(dev, slots: int) -> list:
-    """The tensors of `sk_arguments(slots)`: stand-ins at 0; else the device's workspace, made zero once. Every launch
-    leaves its flags zero again (each finishing run resets the flag it waited on). NOTES: one workspace a device, so
-    two stream-K GEMMs must not run at once on two streams of one GPU."""
+    """The tensors of `sk_arguments(slots)`: stand-ins at 0; else views of this thread's and stream's stream-K
+    workspace (`cache.stream_workspace`), made zero; every launch leaves its flags zero again (each finishing run
+    resets the flag it waited on). Under a CUDA-graph capture, a zeroed buffer the graph owns."""
     if not slots:
-        return [parts.placeholder(torch.int32, dev, 1), parts.placeholder(torch.int32, dev, 1)]
-    key = (dev, slots)
-    if key not in _sk_workspace:
-        _sk_workspace[key] = (torch.zeros(slots * SK_WORDS, dtype=torch.int32, device=dev),
-                              torch.zeros(2 * slots, dtype=torch.int32, device=dev))
-    return list(_sk_workspace[key])
+        return [constant(0, (1,), torch.int32, dev)] * 2
+    words = slots * SK_WORDS + 2 * slots                   # the partials, then two flags a slot
+    space = stream_workspace(dev, 4 * words, name="stream-K", zeroed=True)
+    buf = space[1] if space is not None else torch.zeros(4 * words, dtype=torch.uint8, device=dev)
+    ints = buf[:4 * words].view(torch.int32)
+    return [ints[:slots * SK_WORDS], ints[slots * SK_WORDS:]]
 
 # %% ../../nbs/09_pg.ipynb #fa501bea
 PG_ROLES = WarpRoles(load_warp=0, decode_warps=(), mma_warps=tuple(range(4, 12)), load_regs=24, mma_regs=240)
