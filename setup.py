@@ -22,6 +22,7 @@ py_versions = '3.10 3.11 3.12 3.13'.split()
 
 requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
+flux_requirements = shlex.split(cfg.get('flux_requirements', ''))   # the optional extra [flux]: diffusers
 lic = licenses.get(cfg['license'].lower(), (cfg['license'], None))
 min_python = cfg['min_python']
 console_scripts = cfg.get('console_scripts', '').split()
@@ -53,7 +54,7 @@ setuptools.setup(
     packages = setuptools.find_packages(include=['w4a4_book', 'w4a4_book.*']),
     include_package_data = True,
     install_requires = requirements,
-    extras_require={ 'dev': dev_requirements },
+    extras_require={ 'dev': dev_requirements, 'flux': flux_requirements },
     dependency_links = cfg.get('dep_links','').split(),
     python_requires  = '>=' + cfg['min_python'],
     long_description = open('README.md', encoding='utf-8').read(),

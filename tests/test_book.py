@@ -20,7 +20,8 @@ NBS = ROOT/"nbs"
 PART_I = ["01_hopper", "02_formats", "03_reference", "04_v1", "05_v2", "06_budget", "07_lora_bug", "08_pipeline_depth", "09_pg",
           "10_blackwell", "11_lessons"]
 PART_II = ["12_package", "13_gemm", "13a_operands", "13b_sm90_parts", "13c_pg_variants", "14_layer", "14a_ops", "15_quant", "16_accuracy",
-           "17_block", "18_sm100_parts", "18a_sm100_v1", "18b_sm100_v2"]
+           "17_block", "18_sm100_parts", "18a_sm100_v1", "18b_sm100_v2",
+           "19_flux"]
 APPENDIX = ["20_bench", "20a_timing", "20b_report", "20c_bench_layer", "20d_bench_block", "21_depth_model", "22_records",
             "23_cli", "24_running", "25_lab_notebook"]
 CHAPTERS = ["index", *PART_I, *PART_II]
