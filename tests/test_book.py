@@ -22,8 +22,8 @@ PART_I = ["01_hopper", "02_formats", "03_reference", "04_v1", "05_v2", "06_budge
 PART_II = ["12_package", "13_gemm", "13a_operands", "13b_sm90_parts", "13c_pg_variants", "14_layer", "14a_ops", "15_quant", "16_accuracy",
            "17_block", "18_sm100_parts", "18a_sm100_v1", "18b_sm100_v2",
            "19_flux"]
-APPENDIX = ["20_bench", "20a_timing", "20b_report", "20c_bench_layer", "20d_bench_block", "21_depth_model", "22_records",
-            "23_cli", "24_running", "25_lab_notebook"]
+APPENDIX = ["20_bench", "20a_timing", "20b_report", "20c_bench_layer", "20d_bench_block", "20e_bench_flux", "21_depth_model",
+            "22_records", "23_cli", "24_running", "25_lab_notebook"]
 CHAPTERS = ["index", *PART_I, *PART_II]
 CONFIG = yaml.safe_load((ROOT/"_quarto.yml").read_text())
 

@@ -61,6 +61,7 @@ COMMANDS: dict[str, Command] = {
     "bench-layer": Command("w4a4_book.bench.layer",
                            "time the whole W4A4Linear forward against torch layers on a Hopper GPU"),
     "bench-block": Command("w4a4_book.bench.block", "time the FLUX-like block in bf16, FP8 and W4A4 on a Hopper GPU"),
+    "bench-flux": Command("w4a4_book.bench.flux", "time FLUX.1-dev's transformer in bf16, FP8 and W4A4 on Hopper"),
 }
 
 # %% ../nbs/23_cli.ipynb #1f6cbe18
