@@ -21,15 +21,14 @@ from ..records import (check_output_path, data_dir, list_records, load_record, m
                                save_record)
 from .block import to_fp8
 from .layer import host_time
-from .report import current_first
 from .timing import check_timing, gpu_key, rel_err, time_cuda
 from .workloads import kernel_unavailable
 
 # %% auto #0
 __all__ = ['FLUX_METHODS', 'W4A4_METHODS', 'FLUX_RESOLUTIONS', 'FLUX_TEXT_TOKENS', 'FLUX_RANK', 'FLUX_PRESET', 'COMPILE_SCOPES',
-           'FP8_IMPLS', 'ATTENTION_KERNELS', 'LINEAR_KERNELS', 'TOP_KERNELS', 'TABLE_BASES', 'CURRENT_RECORD',
+           'FP8_IMPLS', 'ATTENTION_KERNELS', 'LINEAR_KERNELS', 'TOP_KERNELS', 'TABLE_BASES', 'FLUX_TARGETS',
            'check_resolution', 'FluxRun', 'torchao_fp8', 'prepare', 'profile_shares', 'measure', 'run_flux_bench',
-           'flux_table', 'add_arguments', 'flux_provenance', 'run']
+           'flux_table', 'flux_targets', 'add_arguments', 'recorded_flux_rows', 'flux_provenance', 'run']
 
 # %% ../../nbs/20e_bench_flux.ipynb #3b640ea6
 FLUX_METHODS = ("bf16_eager", "bf16_compiled", "fp8_compiled", "w4a4_graph", "w4a8_graph")
@@ -255,6 +254,33 @@ def flux_table(rows: list) -> str:
         out.append(line)
     return markdown_table(out)
 
+# %% ../../nbs/20e_bench_flux.ipynb #6ba3e1c1
+# (kind, method, over, resolution, bound): a speed-up of `method` over `over` of at least `bound`, or its weight bytes
+# over `over`'s at most `bound`
+FLUX_TARGETS = (("speed-up", "w4a4_graph", "fp8_compiled", 1024, 1.2),
+                ("speed-up", "w4a4_graph", "bf16_compiled", 1024, 2.0),
+                ("weights", "w4a4_graph", "bf16_eager", 1024, 0.5))
+
+def _ratio(kind: str, a: dict | None, b: dict | None) -> float | None:
+    "`b`'s time over `a`'s (a speed-up), or `a`'s weights over `b`'s; None where either lacks it."
+    key = "median_ms" if kind == "speed-up" else "weight_gb"
+    if not a or not b or key not in a or key not in b:
+        return None
+    return b[key] / a[key] if kind == "speed-up" else a[key] / b[key]
+
+def flux_targets(rows: list) -> list:
+    "One line per `FLUX_TARGETS` entry: its ratio in `rows`, its bound, whether it is met; '—' where unmeasured."
+    got = {(r["method"], r["resolution"]): r for r in rows if "error" not in r}
+    out = []
+    for kind, m, over, res, bound in FLUX_TARGETS:
+        ratio = _ratio(kind, got.get((m, res)), got.get((over, res)))
+        met = None if ratio is None else ratio >= bound if kind == "speed-up" else ratio <= bound
+        out.append({"target": f"{m} {kind} over {over} at {res}",
+                    "bound": f"{'≥' if kind == 'speed-up' else '≤'} {bound}",
+                    "measured": "—" if ratio is None else f"{ratio:.2f}",
+                    "met": {None: "—", True: "yes", False: "no"}[met]})
+    return out
+
 # %% ../../nbs/20e_bench_flux.ipynb #1f526a01
 def add_arguments(p) -> None:
     "Options of `w4a4-book bench-flux`."
@@ -268,22 +294,29 @@ def add_arguments(p) -> None:
     p.add_argument("--fp8", choices=FP8_IMPLS, default="auto",
                    help="FP8 by torchao, by this book's layer, or auto: torchao where it runs (default)")
     p.add_argument("--out", default=None, help="record path (default: nbs/data/flux_<gpu>.json)")
-    p.add_argument("--all", action="store_true", help="without a GPU: every FLUX record, not only the current one")
-
-CURRENT_RECORD = "flux_h200.json"   # the record the FLUX chapter reads
 
 # %% ../../nbs/20e_bench_flux.ipynb #6262baeb
-def _print_recorded(args, why_not: str) -> int:
-    "`bench-flux` where nothing can be measured: the current FLUX record, with `--all` the others; or that none is."
+def recorded_flux_rows() -> tuple:
+    """`(rows, runs)`: of every FLUX record (`kind` flux), the newest row of each resolution and method, each with the
+    `record` it came from; and `(record name, provenance)` of the records drawn from, newest first."""
     runs = [(p.name, *load_record(p)) for p in list_records("flux")]
-    runs = [(name, prov, rows) for name, prov, rows in runs if prov.get("kind") == "flux"]
+    runs = sorted((r for r in runs if r[1].get("kind") == "flux"), key=lambda r: r[1]["date"], reverse=True)
+    newest = {}
+    for name, _, rows in runs:
+        for r in rows:
+            newest.setdefault((r["resolution"], r["method"]), {**r, "record": name})
+    order = lambda r: (-r["resolution"], FLUX_METHODS.index(r["method"]))
+    return sorted(newest.values(), key=order), [(name, prov) for name, prov, _ in runs]
+
+def _print_recorded(why_not: str) -> int:
+    "`bench-flux` where nothing can be measured: one line, then the recorded rows and targets, or that there are none."
+    rows, runs = recorded_flux_rows()
     what = "FLUX.1-dev transformer runs"
     print(f"Nothing is measured here ({why_not}). " + (f"Recorded {what} follow." if runs else f"No recorded {what}."))
-    if runs:
-        current = [r for r in runs if r[0] == CURRENT_RECORD]
-        others = [r for r in runs if r[0] != CURRENT_RECORD]
-        print("\n".join(current_first(current, others, what, flux_table, show_all=args.all,
-                                      label="current, the FLUX chapter's")))
+    if rows:
+        print("\n".join(f"{name}: {prov['gpu']}, {prov['date']}, commit {prov['commit'][:7]}" for name, prov in runs))
+        print(flux_table(rows))
+        print(markdown_table(flux_targets(rows)))
     return 0
 
 def _versions() -> dict:
@@ -312,7 +345,7 @@ def run(args) -> int:
     if args.out: check_output_path(args.out, "--out")
     why_not = kernel_unavailable()
     if why_not is not None:
-        return _print_recorded(args, why_not)
+        return _print_recorded(why_not)
     try:
         require_diffusers()
     except ImportError as e:
@@ -323,5 +356,6 @@ def run(args) -> int:
     prov = flux_provenance(bench)
     rows = run_flux_bench(bench, on_rows=lambda rows: save_record(path, prov, rows))
     print(flux_table(rows))
+    print(markdown_table(flux_targets(rows)))
     print(f"saved {path}")
     return 0
