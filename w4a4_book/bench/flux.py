@@ -94,7 +94,7 @@ def _fp8(make, impl: str) -> tuple:
             return model, torchao_fp8(model)
         except Exception as e:                 # torchao missing, or unable to run with this torch or device
             if impl == "torchao": raise
-            why = _error(e)
+            why, model = _error(e), None     # the half-converted model goes before a fresh one is made
     return to_fp8(make()), "Fp8RowwiseLinear (this book)" + (f"; torchao did not run: {why}" if why else "")
 
 def _compile(model: nn.Module, run: FluxRun) -> nn.Module:
@@ -191,6 +191,7 @@ def _inputs(res: int, run: FluxRun, seed: int = 0) -> dict:
 def _method_rows(method: str, make, refs: dict, run: FluxRun, quiet: bool) -> list:
     "The rows of `method`, one per resolution of `refs` (`{res: (inputs, reference output)}`); errors as rows."
     rows, model = [], None
+    if not quiet: print(f"{method}: building", flush=True)
     try:
         model, notes = prepare(method, make, _inputs(run.resolutions[0], run, seed=1), run)
         notes["weight_gb"] = weight_bytes(model) / 1e9
@@ -206,7 +207,8 @@ def _method_rows(method: str, make, refs: dict, run: FluxRun, quiet: bool) -> li
         rows.append(row)
         if not quiet:
             print(f"{method} at {res}: " + (f"error: {row['error']}" if "error" in row else
-                  f"{row.get('median_ms', float('nan')):.1f} ms, rel_err {row['rel_err']:.3g}"), flush=True)
+                  f"{row.get('median_ms', float('nan')):.1f} ms, rel_err {row['rel_err']:.3g}, first call "
+                  f"{row['first_call_s']:.0f} s, conversion {row.get('convert_s', 0):.0f} s"), flush=True)
     model = None                               # the last reference: _free can give its memory back
     _free(run.device)
     return rows
