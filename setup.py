@@ -22,7 +22,7 @@ py_versions = '3.10 3.11 3.12 3.13'.split()
 
 requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
-flux_requirements = shlex.split(cfg.get('flux_requirements', ''))
+flux_requirements = shlex.split(cfg.get('flux_requirements', ''))   # the optional extra [flux]: diffusers
 lic = licenses.get(cfg['license'].lower(), (cfg['license'], None))
 min_python = cfg['min_python']
 console_scripts = cfg.get('console_scripts', '').split()

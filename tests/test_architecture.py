@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parent.parent / "w4a4_book"
 # top to bottom: a module may import modules of lower layers, and of its own layer where `SIBLINGS_MAY_IMPORT`
 LAYERS = [
     ("cli",),                                                       # the command line and the book's tooling
-    ("bench", "bench.*", "repro", "sweep", "accuracy", "block", "probes", "checks", "nunchaku"),  # experiments, probes, readers
+    ("bench", "bench.*", "repro", "sweep", "accuracy", "block", "flux", "probes", "checks", "nunchaku"),  # experiments, probes, readers
     ("layers",),                                                    # the layer
     ("ops",),                                                       # the layer's forward pass as a torch.library op
     ("gemm", "act_quant"),                                          # the launch paths: the GEMM's, the activation kernel's

@@ -22,9 +22,9 @@ PART_I = ["01_hopper", "02_formats", "03_reference", "04_v1", "05_v2", "06_budge
 PART_II = ["12_package", "13_gemm", "13a_operands", "13b_sm90_parts", "13c_pg_variants", "13d_registry", "13e_heuristics",
            "13f_jit", "13g_cache", "13h_ptx", "13i_barriers", "13j_scheduler", "13k_pg_decode",
            "14_layer", "14a_ops", "15_quant", "15a_act_quant", "16_accuracy",
-           "17_block", "18_sm100_parts", "18a_sm100_v1", "18b_sm100_v2", "19a_nunchaku"]
-APPENDIX = ["20_bench", "20a_timing", "20b_report", "20c_bench_layer", "20d_bench_block", "20f_bench_variants", "20g_probes",
-            "21_depth_model", "22_records",
+           "17_block", "18_sm100_parts", "18a_sm100_v1", "18b_sm100_v2", "19_flux", "19a_nunchaku"]
+APPENDIX = ["20_bench", "20a_timing", "20b_report", "20c_bench_layer", "20d_bench_block", "20e_bench_flux", "20f_bench_variants",
+            "20g_probes", "21_depth_model", "22_records",
             "23_cli", "24_running", "25_lab_notebook"]
 CHAPTERS = ["index", *PART_I, *PART_II]
 CONFIG = yaml.safe_load((ROOT/"_quarto.yml").read_text())

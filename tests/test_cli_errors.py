@@ -136,6 +136,11 @@ CLI_CASES = [
     (["bench-gemm", "--variants", "epilogue", "--iters", "3"], "iters must be an int >= 20"),
     (["bench-gemm", "--variants", "epilogue", "--rank", "24"], "--rank: must be a positive multiple of 16"),
     (["bench-gemm", "--variants", "epilogue", "--out", UNWRITABLE], "--out: "),
+    # bench-flux
+    (["bench-flux", "--res", "1000"], "resolution must be a positive multiple of 16"),
+    (["bench-flux", "--methods", "int8"], "argument --methods: invalid choice"),
+    (["bench-flux", "--iters", "3"], "iters must be an int >= 20"),
+    (["bench-flux", "--out", UNWRITABLE], "--out: "),
     # no command
     (["no-such-command"], "argument COMMAND: invalid choice"),
 ]

@@ -63,6 +63,7 @@ COMMANDS: dict[str, Command] = {
     "bench-block": Command("w4a4_book.bench.block", "time the FLUX-like block in bf16, FP8 and W4A4 on a Hopper GPU"),
     "bench-gemm": Command("w4a4_book.bench.variants", "time the int4_pg GEMM beside a variant of it on a Hopper GPU"),
     "convert-nunchaku": Command("w4a4_book.nunchaku", "convert a nunchaku int4 FLUX checkpoint for load_quantized"),
+    "bench-flux": Command("w4a4_book.bench.flux", "time FLUX.1-dev's transformer in bf16, FP8 and W4A4 on Hopper"),
 }
 
 # %% ../nbs/23_cli.ipynb #1f6cbe18

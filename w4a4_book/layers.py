@@ -25,8 +25,8 @@ from .operands import LORA_RANK_MULTIPLE, fail
 
 # %% auto #0
 __all__ = ['SMOOTH_ALPHA', 'LOW_RANK_METHODS', 'RSVD_SAMPLES', 'RSVD_POWER_ITERS', 'RSVD_MIN_SIDE', 'RSVD_TOLERANCE', 'BACKENDS',
-           'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'DEFAULT_FMT', 'ACT_FORMATS', 'PROJECTIONS', 'SPEC_KEYS',
-           'smooth_factors', 'randomized_low_rank', 'low_rank', 'W4A4Linear', 'why_not_split',
+           'LAYER_DTYPES', 'INPUT_DTYPES', 'WEIGHT_FORMATS', 'DEFAULT_FMT', 'ACT_FORMATS', 'PROJECTIONS', 'BATCH_KINDS',
+           'SPEC_KEYS', 'smooth_factors', 'randomized_low_rank', 'low_rank', 'W4A4Linear', 'why_not_split',
            'SplitMultiheadAttention', 'adapt_fast_paths', 'ConversionReport', 'quantize_model', 'save_quantized',
            'load_quantized']
 
@@ -516,14 +516,28 @@ class ConversionReport(NamedTuple):
         return "\n".join([head, *(f"  skipped {n or '(the model)'}: {why}" for n, why in self.skipped),
                           *(f"  adapted {n or '(the model)'}: {what}" for n, what in self.adapted)])
 
+# what one calibration batch can be
+BATCH_KINDS = "a tensor, a tuple of positional arguments, a dict of keyword arguments or a callable run as batch(model)"
+
+def _why_not_batch(batch) -> Optional[str]:
+    "Why `batch` is no calibration batch (`BATCH_KINDS`), as a sentence, or None when it is one."
+    if isinstance(batch, (torch.Tensor, tuple, dict)) or callable(batch):
+        return None
+    return f"a batch is {BATCH_KINDS}, not {type(batch).__name__}"
+
 def _run_batch(model: nn.Module, batch) -> None:
-    "`model(*batch)` for a tuple, `model(**batch)` for a dict, else `model(batch)`."
+    """`model(*batch)` for a tuple, `model(**batch)` for a dict (a diffusers model's keyword arguments), `batch(model)`
+    for a callable (a pipeline's own call, say), `model(batch)` for a tensor; raises naming `calibration` otherwise."""
+    if (why := _why_not_batch(batch)):
+        fail(TypeError, "calibration", why)
     if isinstance(batch, tuple):
         model(*batch)
     elif isinstance(batch, dict):
         model(**batch)
-    else:
+    elif isinstance(batch, torch.Tensor):
         model(batch)
+    else:
+        batch(model)
 
 def _channel_amax(model: nn.Module, names: list, calibration) -> dict:
     "Run `calibration` through `model` and return each named linear's per-channel max |input|, float32 `[K]`."
@@ -570,9 +584,13 @@ def _check_conversion_args(model, fmt, rank, calibration, filter, opts: dict) ->
         fail(ValueError, "alpha", f"{alpha!r} must lie in [0, 1]")
     if calibration is not None and (isinstance(calibration, (torch.Tensor, str, bytes, dict))
                                     or not hasattr(calibration, "__iter__")):
-        hint = "; for one batch pass [x]" if isinstance(calibration, torch.Tensor) else ""
-        fail(TypeError, "calibration", f"must be an iterable of batches (a list of tensors, tuples or dicts), not "
-             f"{type(calibration).__name__}{hint}")
+        one = isinstance(calibration, (torch.Tensor, dict)) or callable(calibration)
+        hint = "; for one batch pass [x]" if one else ""
+        fail(TypeError, "calibration", f"must be an iterable of batches (a list of tensors, tuples, dicts or "
+             f"callables), not {type(calibration).__name__}{hint}")
+    if isinstance(calibration, (list, tuple)):            # a generator is checked batch by batch as it runs
+        if (bad := next((i for i, b in enumerate(calibration) if _why_not_batch(b)), None)) is not None:
+            fail(TypeError, "calibration", f"batch {bad}: {_why_not_batch(calibration[bad])}")
 
 def _why_not_linear(lin: nn.Linear) -> Optional[str]:
     "Why no conversion can take `lin`, an `nn.Linear` or a subclass, whatever the options; None when one can."
@@ -644,10 +662,10 @@ def quantize_model(model: nn.Module, fmt: str = DEFAULT_FMT, rank: int = 32, cal
                    quiet: bool = False, **layer_kwargs) -> nn.Module:
     """Replace, in place, every `nn.Linear` of `model` that `filter(name, linear)` accepts (default: all) and the layer
     can take by `W4A4Linear.from_linear(linear, rank, fmt, ...)`, splitting an `nn.MultiheadAttention` to reach its
-    projections; smooth from the `calibration` batches if given. `layer_kwargs` go to `from_linear` (`dtype`,
-    `backend`, `act_fmt`, ...). Returns `model`, with the `ConversionReport` as `model.w4a4_conversion` (printed unless
-    `quiet`). Raises, naming the argument, before any layer changes: a bad argument, nothing to convert, a weight or a
-    calibration input that is not finite."""
+    projections; smooth from the `calibration` batches if given, each one of `BATCH_KINDS`. `layer_kwargs` go to
+    `from_linear` (`dtype`, `backend`, `act_fmt`, ...). Returns `model`, with the `ConversionReport` as
+    `model.w4a4_conversion` (printed unless `quiet`). Raises, naming the argument, before any layer changes: a bad
+    argument, nothing to convert, a weight or a calibration input that is not finite."""
     # the options each layer is built with, `from_linear`'s defaults filled in (a misspelt one raises TypeError here)
     opts = inspect.signature(W4A4Linear.from_linear).bind(None, **layer_kwargs)
     opts.apply_defaults()
