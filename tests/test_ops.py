@@ -403,6 +403,7 @@ def test_layers_sharing_a_workspace_compute_what_the_unbound_path_does(act_fmt, 
 _CACHED_FORWARD = """
 import sys, torch
 from torch import nn
+from w4a4_book import jit
 from w4a4_book.layers import W4A4Linear
 torch.manual_seed(0)
 layer = W4A4Linear.from_linear(nn.Linear(512, 256), rank=32, fmt="int4_pg").cuda()

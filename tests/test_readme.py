@@ -23,6 +23,8 @@ def test_results_section_is_generated_from_the_records():
                                          "w4a4_book.bench.report.readme_results() instead of editing it")
     from w4a4_book.repro import LADDER_RECORDS, readme_ladder
     assert readme_ladder() in section, "regenerate the ladder with w4a4_book.repro.readme_ladder()"
+    from w4a4_book.bench.flux import readme_flux
+    assert readme_flux() in section, "regenerate the FLUX paragraph with w4a4_book.bench.flux.readme_flux()"
     for name in README_RECORDS + (LORA_RECORD,) + LADDER_RECORDS:
         assert f"`{name}`" in section and load_record(data_dir()/name)[0]["command"] in section
 

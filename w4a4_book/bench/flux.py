@@ -27,8 +27,10 @@ from .workloads import kernel_unavailable
 # %% auto #0
 __all__ = ['FLUX_METHODS', 'W4A4_METHODS', 'FLUX_RESOLUTIONS', 'FLUX_TEXT_TOKENS', 'FLUX_RANK', 'FLUX_PRESET', 'COMPILE_SCOPES',
            'FP8_IMPLS', 'ATTENTION_KERNELS', 'LINEAR_KERNELS', 'TOP_KERNELS', 'TABLE_BASES', 'FLUX_TARGETS',
-           'check_resolution', 'FluxRun', 'torchao_fp8', 'prepare', 'profile_shares', 'measure', 'run_flux_bench',
-           'flux_table', 'flux_targets', 'add_arguments', 'recorded_flux_rows', 'flux_provenance', 'run']
+           'KERNEL_CLASSES', 'CLASS_NAMES', 'FLUX_README_PLOT', 'check_resolution', 'FluxRun', 'torchao_fp8', 'prepare',
+           'profile_shares', 'measure', 'run_flux_bench', 'flux_table', 'flux_targets', 'add_arguments',
+           'recorded_flux_rows', 'flux_provenance', 'kernel_class', 'time_by_class', 'flux_breakdown', 'plot_flux',
+           'readme_flux', 'run']
 
 # %% ../../nbs/20e_bench_flux.ipynb #3b640ea6
 FLUX_METHODS = ("bf16_eager", "bf16_compiled", "fp8_compiled", "w4a4_graph", "w4a8_graph")
@@ -338,6 +340,65 @@ def flux_provenance(bench: FluxRun) -> dict:
     return provenance(cmd, [list(_shape(r, bench).values()) for r in bench.resolutions], kind="flux",
                       config=bench.config, rank=FLUX_RANK, preset=FLUX_PRESET, methods=list(bench.methods),
                       compile_scope=bench.compile_scope, **_versions())
+
+# %% ../../nbs/20e_bench_flux.ipynb #de0e4d43
+# (class, pattern) in the order a kernel's name is matched; a name matching none is "other"
+KERNEL_CLASSES = (("attention", r"sdpa|flash_fprop|fmha|flash_attn"),
+                  ("activation passes", r"sm90_quant|amax|_scaled_mm"),
+                  ("GEMM", r"nvjet|W4A4Gemm|gemm|xmma"))
+CLASS_NAMES = ("GEMM", "activation passes", "attention", "other")
+
+def kernel_class(name: str) -> str:
+    "The class of the kernel called `name` (`KERNEL_CLASSES`), or 'other'."
+    return next((c for c, pat in KERNEL_CLASSES if re.search(pat, name, re.I)), "other")
+
+def time_by_class(row: dict) -> dict:
+    """Milliseconds of one row's profiled forward by `CLASS_NAMES`: its top kernels by class, and the rest of its
+    profiled time as 'other'."""
+    ms = dict.fromkeys(CLASS_NAMES, 0.0)
+    for name, t, _ in row["top_kernels"]:
+        ms[kernel_class(name)] += t
+    ms["other"] += row["profiled_ms"] - sum(t for _, t, _ in row["top_kernels"])
+    return ms
+
+def flux_breakdown(rows: list, res: int = 1024) -> list:
+    "One dict a measured method at `res`: its profiled milliseconds by class."
+    return [{"method": r["method"], **{k: f"{v:.1f}" for k, v in time_by_class(r).items()},
+             "profiled ms": f"{r['profiled_ms']:.1f}"}
+            for r in rows if r["resolution"] == res and r.get("top_kernels")]
+
+def plot_flux(rows: list, res: int = 1024, path=None):
+    "Stacked bars: each method's profiled forward at `res` by kernel class; saved to `path` when given."
+    import matplotlib.pyplot as plt
+    data = [(r["method"], time_by_class(r)) for r in rows if r["resolution"] == res and r.get("top_kernels")]
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(data) + 1.6), dpi=100)
+    left = [0.0] * len(data)
+    for cls, color in zip(CLASS_NAMES, ("tab:blue", "tab:orange", "tab:green", "0.7")):
+        widths = [ms[cls] for _, ms in data]
+        ax.barh([m for m, _ in data], widths, left=left, color=color, label=cls)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis(); ax.set_xlabel("ms per forward (profiled)")
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
+    ax.set_title(f"FLUX.1-dev transformer, {res}×{res}, batch 1", fontsize=10); fig.tight_layout()
+    if path is not None: fig.savefig(path)
+    return fig
+
+# %% ../../nbs/20e_bench_flux.ipynb #47c5d0f3
+FLUX_README_PLOT = "flux_h200.png"    # the README's figure, in nbs/data/
+
+def readme_flux() -> str:
+    "The README's FLUX.1-dev paragraph: the newest row of each method, the targets, the time by class, the records."
+    from .report import record_line
+    rows, runs = recorded_flux_rows()
+    if not rows:
+        return "No recorded FLUX.1-dev transformer runs."
+    return "\n".join([
+        "**FLUX.1-dev's transformer** ([chapter 19](nbs/19_flux.ipynb)): one forward at batch 1, random bf16 weights, "
+        "every method in one process; the W4A4 methods use the `flux` preset (embedders, modulation and final "
+        "projection kept in 16 bits). Milliseconds per forward, then the targets, then where the time goes.", "",
+        flux_table(rows), "", markdown_table(flux_targets(rows)), "", markdown_table(flux_breakdown(rows)), "",
+        f"![FLUX.1-dev's forward by kernel class](nbs/data/{FLUX_README_PLOT})", "",
+        *[f"- {record_line(name, prov)}" for name, prov in runs]])
 
 # %% ../../nbs/20e_bench_flux.ipynb #e17cb254
 def run(args) -> int:
