@@ -388,7 +388,7 @@ FLUX_README_PLOT = "flux_h200.png"    # the README's figure, in nbs/data/
 
 def readme_flux() -> str:
     "The README's FLUX.1-dev paragraph: the newest row of each method, the targets, the time by class, the records."
-    from .report import record_line
+    from w4a4_book.bench.report import record_line
     rows, runs = recorded_flux_rows()
     if not rows:
         return "No recorded FLUX.1-dev transformer runs."
