@@ -31,6 +31,8 @@ class KernelClass(Protocol):
     def tensors(self, p: Problem, act, wgt, lora_act, lora_up, wcscales, bias, out) -> list: ...   # theirs, in order
     def __call__(self, *tensors) -> None: ...
 
+_KEPT_CONTRACT: set = set()   # the kernel classes found to keep `KernelClass`
+
 @dataclass(frozen=True)
 class KernelSpec:
     "One registered kernel: the config class that describes it (and names its row), and where its class lives."
@@ -52,11 +54,14 @@ class KernelSpec:
     @property
     def name(self) -> str: return f"{self.kernel} ({self.fmt}, {self.mainloop}, {self.arch})"
     def kernel_class(self) -> KernelClass:
-        "The kernel class (its module is imported now: CuTe DSL and torch); raises unless it is a `KernelClass`."
+        """The kernel class (its module is imported now: CuTe DSL and torch); raises unless it is a `KernelClass`.
+        NOTES: on every unbound launch's path, so a class is checked once (the protocol check costs ~20 µs)."""
         cls = getattr(import_module(self.module), self.cls)
-        if not isinstance(cls, KernelClass):
-            fail(TypeError, "cls", f"{self.module}.{self.cls} is not a KernelClass (static_m, requirements, "
-                                   "arguments, tensors, __call__)")
+        if cls not in _KEPT_CONTRACT:
+            if not isinstance(cls, KernelClass):
+                fail(TypeError, "cls", f"{self.module}.{self.cls} is not a KernelClass (static_m, requirements, "
+                                       "arguments, tensors, __call__)")
+            _KEPT_CONTRACT.add(cls)
         return cls
 
 REGISTRY: dict = {}
