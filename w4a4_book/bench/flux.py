@@ -21,7 +21,7 @@ from ..records import (check_output_path, data_dir, list_records, load_record, m
                                save_record)
 from .block import to_fp8
 from .layer import host_time
-from .timing import check_timing, gpu_key, rel_err, time_cuda
+from .timing import GPU_PEAKS, check_timing, gpu_key, rel_err, time_cuda
 from .workloads import kernel_unavailable
 
 # %% auto #0
@@ -242,15 +242,18 @@ def flux_table(rows: list) -> str:
     "The rows of `run_flux_bench` (or of a record) as a markdown table, one line per resolution and method."
     if not isinstance(rows, (list, tuple)) or not rows or not all(isinstance(r, dict) for r in rows):
         raise TypeError(f"rows must be a non-empty list of dicts, got {rows!r:.60}")
-    ms = {(r["resolution"], r["method"]): r["median_ms"] for r in rows if "median_ms" in r}
+    # speed-ups only between rows of one GPU and resolution
+    ms = {(r.get("gpu"), r["resolution"], r["method"]): r["median_ms"] for r in rows if "median_ms" in r}
     fmt = lambda v, f: "—" if v is None else format(v, f)
     out = []
     for r in rows:
-        res, m = r["resolution"], r["method"]
-        line = {"res": res, "method": m, "ms": fmt(r.get("median_ms"), ".1f"),
-                "p10–p90 ms": f"{r['p10_ms']:.1f}–{r['p90_ms']:.1f}" if "p10_ms" in r else "—"}
-        line |= {f"vs {b}": f"{ms[res, b] / ms[res, m]:.2f}×" if {(res, b), (res, m)} <= ms.keys() and b != m
-                 else "—" for b in TABLE_BASES}
+        key = (r.get("gpu"), r["resolution"])
+        line = {"GPU": r.get("gpu", "—"), "res": r["resolution"], "method": r["method"],
+                "ms": fmt(r.get("median_ms"), ".1f"),
+                "p10–p90 ms": f"{r['p10_ms']:.1f}–{r['p90_ms']:.1f}" if "p10_ms" in r else "—",
+                "GPU busy ms": fmt(r.get("profiled_ms"), ".1f")}
+        line |= {f"vs {b}": f"{ms[(*key, b)] / ms[(*key, r['method'])]:.2f}×"
+                 if {(*key, b), (*key, r["method"])} <= ms.keys() and b != r["method"] else "—" for b in TABLE_BASES}
         line |= {"weights GB": fmt(r.get("weight_gb"), ".2f"), "peak GB": fmt(r.get("peak_gb"), ".1f"),
                  "attention": fmt(r.get("attention_share"), ".0%"), "linear": fmt(r.get("linear_share"), ".0%"),
                  "rel_err": fmt(r.get("rel_err"), ".3g"), "convert s": fmt(r.get("convert_s"), ".1f"),
@@ -300,15 +303,19 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default=None, help="record path (default: nbs/data/flux_<gpu>.json)")
 
 # %% ../../nbs/20e_bench_flux.ipynb #6262baeb
+def _card(gpu_name: str) -> str:
+    "A record's GPU as its short name (H200), or as recorded where it is none the peaks know (a CPU stand-in)."
+    return gpu_key(gpu_name) if any(k in gpu_name for k in GPU_PEAKS) else gpu_name
+
 def recorded_flux_rows() -> tuple:
     """`(rows, runs)`: of every FLUX record (`kind` flux), the newest row of each resolution and method, each with the
-    `record` it came from; and `(record name, provenance)` of the records drawn from, newest first."""
+    `record` it came from and its `gpu`; and `(record name, provenance)` of the records drawn from, newest first."""
     runs = [(p.name, *load_record(p)) for p in list_records("flux")]
     runs = sorted((r for r in runs if r[1].get("kind") == "flux"), key=lambda r: r[1]["date"], reverse=True)
     newest = {}
-    for name, _, rows in runs:
+    for name, prov, rows in runs:
         for r in rows:
-            newest.setdefault((r["resolution"], r["method"]), {**r, "record": name})
+            newest.setdefault((r["resolution"], r["method"]), {**r, "record": name, "gpu": _card(prov["gpu"])})
     order = lambda r: (-r["resolution"], FLUX_METHODS.index(r["method"]))
     return sorted(newest.values(), key=order), [(name, prov) for name, prov, _ in runs]
 
@@ -395,7 +402,10 @@ def readme_flux() -> str:
     return "\n".join([
         "**FLUX.1-dev's transformer** ([chapter 19](nbs/19_flux.ipynb)): one forward at batch 1, random bf16 weights, "
         "every method in one process; the W4A4 methods use the `flux` preset (embedders, modulation and final "
-        "projection kept in 16 bits). Milliseconds per forward, then the targets, then where the time goes.", "",
+        "projection kept in 16 bits). Milliseconds per forward, then the targets, then where the time goes. `GPU` is "
+        "the card; speed-ups compare rows of one card and resolution. `GPU busy ms` is the profiled kernels' time: at "
+        "512×512 the forwards not replayed as a CUDA graph wait on the host, so there W4A4's lead over FP8 is the "
+        "graph's, not the kernels'.", "",
         flux_table(rows), "", markdown_table(flux_targets(rows)), "", markdown_table(flux_breakdown(rows)), "",
         f"![FLUX.1-dev's forward by kernel class](nbs/data/{FLUX_README_PLOT})", "",
         *[f"- {record_line(name, prov)}" for name, prov in runs]])
