@@ -13,8 +13,8 @@ PKG = Path(__file__).resolve().parent.parent / "w4a4_book"
 
 # top to bottom: a module may import modules of lower layers, and of its own layer where `SIBLINGS_MAY_IMPORT`
 LAYERS = [
-    ("cli",),                                                       # the command line and the book's tooling
-    ("bench", "bench.*", "repro", "sweep", "accuracy", "block", "flux", "probes", "checks", "nunchaku"),  # experiments, probes, readers
+    ("cli", "probes.__main__"),                                     # the command lines and the book's tooling
+    ("bench", "bench.*", "repro", "sweep", "accuracy", "block", "flux", "probes.*", "checks", "nunchaku"),  # experiments, probes, readers
     ("layers",),                                                    # the layer
     ("ops",),                                                       # the layer's forward pass as a torch.library op
     ("gemm", "act_quant"),                                          # the launch paths: the GEMM's, the activation kernel's
@@ -64,7 +64,9 @@ def imports_of(name, path):
             out.add(base)
             out |= {f"{base}.{a.name}" for a in node.names}
     known = {n for n, _ in modules()}
-    return {m[len("w4a4_book."):] for m in out if m.startswith("w4a4_book.") and m[len("w4a4_book."):] in known}
+    names = {m[len("w4a4_book."):] for m in out if m.startswith("w4a4_book.")}
+    names = {f"{n}.__init__" if f"{n}.__init__" in known else n for n in names}   # a package is its `__init__`
+    return names & known
 
 
 def test_every_module_has_a_layer():

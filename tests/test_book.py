@@ -24,7 +24,8 @@ PART_II = ["12_package", "13_gemm", "13a_operands", "13b_sm90_parts", "13c_pg_va
            "14_layer", "14a_ops", "15_quant", "15a_act_quant", "16_accuracy",
            "17_block", "18_sm100_parts", "18a_sm100_v1", "18b_sm100_v2", "19_flux", "19a_nunchaku"]
 APPENDIX = ["20_bench", "20a_timing", "20b_report", "20c_bench_layer", "20d_bench_block", "20e_bench_flux", "20f_bench_variants",
-            "20g_probes", "21_depth_model", "22_records",
+            "20g_probes", "20h_probe_clock", "20i_probe_decode",
+            "20j_probe_host", "20k_probe_ncu", "20l_probe_main", "21_depth_model", "22_records",
             "23_cli", "24_running", "25_lab_notebook"]
 CHAPTERS = ["index", *PART_I, *PART_II]
 CONFIG = yaml.safe_load((ROOT/"_quarto.yml").read_text())

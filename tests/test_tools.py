@@ -7,9 +7,11 @@ import sys
 import pytest
 import torch
 
-from w4a4_book import act_quant, checks, gemm, heuristics, jit, probes, registry
+from w4a4_book import act_quant, checks, gemm, heuristics, jit, registry
 from w4a4_book.bench import variants
 from w4a4_book.operands import Problem
+from w4a4_book.probes import clock, decode, host, ncu
+from w4a4_book.probes.__main__ import PROBES, main as probes_main, probe_parser
 from w4a4_book.records import data_dir, list_records, load_record, remeasure
 from w4a4_book.smem import HopperV1Config, HopperV2Config
 
@@ -24,7 +26,7 @@ CSV = '''==PROF== Connected to process 1
 
 
 def test_parse_details_csv():
-    metrics, kernel = probes.parse_details(CSV)
+    metrics, kernel = ncu.parse_details(CSV)
     assert kernel == "kernel_cutlass_kernel_w4a4_x"
     assert metrics["SchedulerStats"] == {"Issue Slots Busy (%)": 61.2}
     assert metrics["Command line profiler metrics"]["smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"] == 1234.5
@@ -34,27 +36,27 @@ def test_parse_details_csv():
 def test_parse_details_of_two_launches():
     "The activation side's two passes: each launch's metrics apart, in launch order, named by its kernel."
     second = CSV.splitlines()[2].replace('"0","1"', '"1","1"', 1).replace("w4a4_x", "w4a4_y").replace("61.20", "12.50")
-    launches = probes.parse_kernels(CSV + second + "\n")
+    launches = ncu.parse_kernels(CSV + second + "\n")
     assert [k for k, _ in launches] == ["kernel_cutlass_kernel_w4a4_x", "kernel_cutlass_kernel_w4a4_y"]
     assert launches[1][1] == {"SchedulerStats": {"Issue Slots Busy (%)": 12.5}}
-    assert probes.parse_details(CSV)[0] == launches[0][1]
+    assert ncu.parse_details(CSV)[0] == launches[0][1]
 
 
 def _ncu_args(*argv):
-    return probes.probe_parser().parse_args(["ncu", *argv])
+    return probe_parser().parse_args(["ncu", *argv])
 
 
 def test_activation_profile_command():
     "`--activation` profiles every kernel of the last call (two for int4_pg's passes), and `--one-pass` only with it."
     a = _ncu_args("--activation", "--fmt", "int4_pg", "--shape", "4352", "0", "3840", "32", "--out", "x.json")
     a.kernel = "activation"
-    assert [probes.activation_launches(f, c) for f, c in (("int4_pg", None), ("int8", None), ("int4", None), ("int4_pg", 16))] == [2, 2, 1, 1]
-    cmd = probes.ncu_command(a, launches=probes.activation_launches(a.fmt, a.one_pass))
-    assert cmd[cmd.index("--launch-skip") + 1] == str(2 * probes.WARMUP) and cmd[cmd.index("--launch-count") + 1] == "2"
+    assert [ncu.activation_launches(f, c) for f, c in (("int4_pg", None), ("int8", None), ("int4", None), ("int4_pg", 16))] == [2, 2, 1, 1]
+    cmd = ncu.ncu_command(a, launches=ncu.activation_launches(a.fmt, a.one_pass))
+    assert cmd[cmd.index("--launch-skip") + 1] == str(2 * ncu.WARMUP) and cmd[cmd.index("--launch-count") + 1] == "2"
     assert cmd[cmd.index(sys.executable):cmd.index("--child")] == [sys.executable, "-m", "w4a4_book.probes", "ncu"]
     assert "--activation" in cmd and "--one-pass" not in cmd
     with pytest.raises(ValueError, match="--one-pass: only with --activation"):
-        probes.main(["ncu", "--one-pass", "4", "--out", "x.json"])
+        probes_main(["ncu", "--one-pass", "4", "--out", "x.json"])
 
 
 SOURCE = '''"Kernel Name","kernel_cutlass_kernel_w4a4_x",
@@ -71,10 +73,10 @@ SOURCE = '''"Kernel Name","kernel_cutlass_kernel_w4a4_x",
 
 def test_source_samples_by_role():
     "Each setmaxnreg starts a role named by its register count; mbarrier waits are the try-wait, its sleep and retry."
-    ins = probes.parse_source(SOURCE)
+    ins = ncu.parse_source(SOURCE)
     assert [i["Address"] for i in ins] == ["0x10", "0x20", "0x30", "0x40", "0x50", "0x60", "0x70"]
     assert ins[-1]["Instructions Executed"] == 1600.0
-    roles = probes.by_role(ins, k_blocks_per_cta=10, ctas=2, roles_by_regs={24: ("load", 4), 224: ("mma", 8)})
+    roles = ncu.by_role(ins, k_blocks_per_cta=10, ctas=2, roles_by_regs={24: ("load", 4), 224: ("mma", 8)})
     assert set(roles) == {"setup", "load", "mma"}
     assert roles["load"]["samples (% of all)"] == 50.0 and roles["mma"]["samples (% of all)"] == 40.0
     assert roles["load"]["waiting on an mbarrier (%)"] == 100.0 and roles["mma"]["waiting on an mbarrier (%)"] == 0.0
@@ -88,29 +90,29 @@ def test_roles_come_from_the_kernel():
     v2, _ = jit.build(HopperV2Config(), Problem(256, 256, 256, 16))
     v1, _ = jit.build(HopperV1Config(), Problem(256, 256, 256, 16))
     r = v2.roles
-    assert probes.kernel_roles(v2) == {r.load_regs: ("load", 4), r.decode_regs: ("decode", 4), r.mma_regs: ("mma", 8)}
-    assert probes.kernel_roles(v1) == {None: ("all", 8)}
+    assert ncu.kernel_roles(v2) == {r.load_regs: ("load", 4), r.decode_regs: ("decode", 4), r.mma_regs: ("mma", 8)}
+    assert ncu.kernel_roles(v1) == {None: ("all", 8)}
 
 
 def test_kernel_is_a_registry_name():
     "`--kernel` names a registry row, run with its config at every default; no name is the default kernel."
-    assert probes.ncu_kernel_config("v1")[1] == HopperV1Config()
-    assert probes.ncu_kernel_config("v2")[1] == HopperV2Config()
-    spec, config = probes.ncu_kernel_config(None)
+    assert ncu.ncu_kernel_config("v1")[1] == HopperV1Config()
+    assert ncu.ncu_kernel_config("v2")[1] == HopperV2Config()
+    spec, config = ncu.ncu_kernel_config(None)
     assert spec.kernel == registry.find_kernel(fmt="int4").kernel and config == registry.default_config("int4")   # the probe's int4
     with pytest.raises(ValueError, match="kernel"):
-        probes.ncu_kernel_config("v3")
+        ncu.ncu_kernel_config("v3")
 
 
 def test_int4_pg_kernel_and_roles():
     "`--fmt int4_pg` names the exact-integer kernel with the tile the library picks for the shape; it has no decode role."
-    spec, config = probes.ncu_kernel_config(None, "int4_pg", (4352, 3072, 10240, 128))
+    spec, config = ncu.ncu_kernel_config(None, "int4_pg", (4352, 3072, 10240, 128))
     assert spec.fmt == "int4_pg" and config == registry.default_config("int4_pg", problem=jit.example_problem(spec, 4352, 3072, 10240, 128))
     kern, _ = jit.build(config, jit.example_problem(spec, 4352, 3072, 10240, 128))
     r = kern.roles
-    assert probes.kernel_roles(kern) == {r.load_regs: ("load", r.first_worker_warp), r.mma_regs: ("mma", len(r.mma_warps))}
-    assert probes._fmt_arg(_ncu_args("--fmt", "int4_pg", "--out", "x.json")) == ["--fmt", "int4_pg"]
-    assert probes._fmt_arg(_ncu_args("--out", "x")) == []
+    assert ncu.kernel_roles(kern) == {r.load_regs: ("load", r.first_worker_warp), r.mma_regs: ("mma", len(r.mma_warps))}
+    assert ncu._fmt_arg(_ncu_args("--fmt", "int4_pg", "--out", "x.json")) == ["--fmt", "int4_pg"]
+    assert ncu._fmt_arg(_ncu_args("--out", "x")) == []
 
 
 @pytest.mark.parametrize("path", list_records("ncu"), ids=lambda p: p.name)
@@ -120,11 +122,11 @@ def test_recorded_commands_still_parse(path):
     prov, _ = load_record(path)
     command = shlex.split(remeasure(prov))
     assert command[:4] == ["python", "-m", "w4a4_book.probes", "ncu"]
-    args = probes.probe_parser().parse_args(command[3:])
+    args = probe_parser().parse_args(command[3:])
     if prov["kind"] == "ncu-activation":
         assert args.activation and (args.fmt, args.one_pass) == (prov["fmt"], prov["one_pass"])
         return
-    assert probes.ncu_kernel_config(args.kernel, args.fmt, sets=args.sets)[0].kernel == prov["version"]
+    assert ncu.ncu_kernel_config(args.kernel, args.fmt, sets=args.sets)[0].kernel == prov["version"]
     assert args.roles == (prov["kind"] == "ncu-roles")
 
 
@@ -133,28 +135,28 @@ def test_grid_matches_the_recorded_roles():
     for v in ("v1", "v2"):
         prov, _ = load_record(data_dir() / f"ncu_roles_h200_{v}.json")
         M, N, K, R = prov["shapes"][0]
-        kern, _ = jit.build(probes.ncu_kernel_config(prov["version"])[1], Problem(M, N, K, R), heuristics.DEFAULT_NUM_SMS)
-        ctas = probes.launched_ctas(kern, M, N)
+        kern, _ = jit.build(ncu.ncu_kernel_config(prov["version"])[1], Problem(M, N, K, R), heuristics.DEFAULT_NUM_SMS)
+        ctas = ncu.launched_ctas(kern, M, N)
         assert ctas == prov["ctas"], v
         assert -(-M // kern.bm) * (N // kern.bn) * (K // kern.bk) / ctas == prov["k_blocks_per_cta"], v
 
 
 def test_config_fields_set_after_the_choice():
     "`--set NAME=VALUE` overrides a field after the library's tile choice, travels to the child, and a bad one is refused by name."
-    _, cfg = probes.ncu_kernel_config("v2", "int4_pg", [4352, 3072, 3840, 32], ["tile_m=256", "epi_vectors=smem", "stages=3"])
+    _, cfg = ncu.ncu_kernel_config("v2", "int4_pg", [4352, 3072, 3840, 32], ["tile_m=256", "epi_vectors=smem", "stages=3"])
     assert (cfg.tile_m, cfg.epi_vectors, cfg.stages) == (256, "smem", 3)
-    cmd = probes.ncu_command(_ncu_args("--kernel", "v2", "--fmt", "int4_pg", "--set", "tile_m=256", "--out", "x.json"))
+    cmd = ncu.ncu_command(_ncu_args("--kernel", "v2", "--fmt", "int4_pg", "--set", "tile_m=256", "--out", "x.json"))
     assert cmd[cmd.index("--set") + 1] == "tile_m=256"
     for bad in ("tile=256", "tile_m=x", "tile_m"):
         with pytest.raises(ValueError, match="--set"):
-            probes.ncu_kernel_config("v2", "int4_pg", None, [bad])
+            ncu.ncu_kernel_config("v2", "int4_pg", None, [bad])
 
 
 @pytest.fixture
 def saved(monkeypatch):
     "The record a run saves, kept here: provenance (its command alone) and rows; CUDA's synchronize a no-op."
     out = {}
-    for module in (variants, probes):
+    for module in (variants, clock, decode, host, ncu):
         monkeypatch.setattr(module, "provenance", lambda command, *a, **k: dict(command=command))
         monkeypatch.setattr(module, "save_record", lambda path, prov, rows: out.update(prov=prov, rows=rows) or path)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -209,20 +211,20 @@ def test_gpu_clocks_runs_on_stand_ins(monkeypatch, tmp_path, saved):
         def terminate(self): pass
         def communicate(self): return lines, None
     monkeypatch.setattr(subprocess, "Popen", Smi)
-    monkeypatch.setattr(probes, "launchers", lambda *a: dict(w4a4_pg=None, torch_fp8_gemm=None))
-    monkeypatch.setattr(probes, "graph_of", lambda fn: (lambda: None))
-    assert probes.main(["gpu-clocks", "--out", str(tmp_path / "c.json"), "--seconds", "0"]) == 0
+    monkeypatch.setattr(host, "launchers", lambda *a: dict(w4a4_pg=None, torch_fp8_gemm=None))
+    monkeypatch.setattr(host, "graph_of", lambda fn: (lambda: None))
+    assert probes_main(["gpu-clocks", "--out", str(tmp_path / "c.json"), "--seconds", "0"]) == 0
     rows = saved["rows"]
-    assert len(rows) == 2 * len(probes.CLOCK_SHAPES) and {r["samples"] for r in rows} == {2}
+    assert len(rows) == 2 * len(host.CLOCK_SHAPES) and {r["samples"] for r in rows} == {2}
     assert rows[0]["sm_clock_mhz"] == 1675 and rows[0]["reason_share"]["sw_power_cap"] == 0.5
     assert saved["prov"]["command"] == "python -m w4a4_book.probes gpu-clocks --out nbs/data/c.json --seconds 0"
 
 
 def test_every_probe_has_a_command_line():
     "Each probe parses its own options; `python -m` runs the probes and the checks (here: their help)."
-    for name in probes.PROBES:                    # each saves a record, but `conversion`, which only prints
+    for name in PROBES:         # each saves a record, but `conversion`, which only prints
         out = [] if name == "conversion" else ["--out", "x.json"]
-        assert probes.probe_parser().parse_args([name, *out]).probe == name
+        assert probe_parser().parse_args([name, *out]).probe == name
     for module in ("w4a4_book.probes", "w4a4_book.checks"):
         r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
         assert r.returncode == 0 and f"python -m {module}" in r.stdout, r.stderr
@@ -243,7 +245,7 @@ def test_latency_runs_on_stand_ins(monkeypatch, tmp_path, saved):
     "The `latency` probe end to end with the pointer chase stood in for: DRAM and L2, each the median of its runs."
     import w4a4_book.bench.latency as chase
     monkeypatch.setattr(chase, "dram_latency", lambda nbytes, hops: 5e-7)
-    assert probes.main(["latency", "--out", str(tmp_path / "l.json"), "--repeats", "3"]) == 0
+    assert probes_main(["latency", "--out", str(tmp_path / "l.json"), "--repeats", "3"]) == 0
     assert [(r["where"], r["runs"]) for r in saved["rows"]] == [("dram", [5e-7] * 3), ("l2", [5e-7] * 3)]
     assert saved["prov"]["command"] == "python -m w4a4_book.probes latency --out nbs/data/l.json --repeats 3"
 
@@ -257,11 +259,11 @@ def test_decode_cost_runs_each_variant_in_a_process(monkeypatch, tmp_path, saved
         calls.append((cmd, env["W4A4_BOOK_KERNEL_CACHE"]))
         v = cmd[cmd.index("--one") + 1]
         rows = [dict(method=m, variant=v, M=M, N=N, K=K, median_ms=0.1, of_stock=1.0)
-                for M, N, K in probes.DECODE_SHAPES for m in ("cute_int8_gemm", v)]
+                for M, N, K in decode.DECODE_SHAPES for m in ("cute_int8_gemm", v)]
         return subprocess.CompletedProcess(cmd, 0, "ROWS " + json.dumps(rows) + "\n", "")
     monkeypatch.setattr(subprocess, "run", run)
-    assert probes.main(["decode-cost", "--out", str(tmp_path / "d.json")]) == 0
-    assert [c[c.index("--one") + 1] for c, _ in calls] == list(probes.DECODE_VARIANTS)
+    assert probes_main(["decode-cost", "--out", str(tmp_path / "d.json")]) == 0
+    assert [c[c.index("--one") + 1] for c, _ in calls] == list(decode.DECODE_VARIANTS)
     assert all(c[:4] == [sys.executable, "-m", "w4a4_book.probes", "decode-cost"] and off == "off" for c, off in calls)
-    assert len(saved["rows"]) == 2 * len(probes.DECODE_SHAPES) * len(probes.DECODE_VARIANTS)
+    assert len(saved["rows"]) == 2 * len(decode.DECODE_SHAPES) * len(decode.DECODE_VARIANTS)
     assert saved["prov"]["command"] == "python -m w4a4_book.probes decode-cost --out nbs/data/d.json"

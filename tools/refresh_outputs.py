@@ -1,6 +1,7 @@
-"""Run chapters on this machine and store every cell's output in the notebook, so that the rendered book shows the
-results (`w4a4-book render` runs only the exported and `show_doc` cells). Cells marked `#| gpu` are not run and keep
-the outputs they had. Run `nbdev_clean` afterwards, as before any commit.
+"""Run chapters on this machine and store every cell's output in the notebook, so that the notebook, read as it is
+stored, shows the results (`w4a4-book render` runs them again, but the `#| gpu` and `eval: false` ones). Cells marked `#| gpu` are
+not run and keep the outputs they had. An output stored in a richer form (Markdown, HTML, an image) drops its
+plain-text copy, which nothing shows. Run `nbdev_clean` afterwards, as before any commit.
 
     python tools/refresh_outputs.py nbs/07_lora_bug.ipynb [more notebooks]
 """
@@ -20,6 +21,11 @@ def refresh(path: Path) -> None:
     shell = CaptureShell(path)
     with working_directory(path.parent):
         shell.run_all(nb, exc_stop=True, preproc=lambda c: c.cell_type != "code" or bool(GPU_CELL.search(c.source)))
+    for c in nb.cells:
+        if c.cell_type == "code" and not GPU_CELL.search(c.source):
+            for o in c.get("outputs", []):      # a plain-text copy beside Markdown, HTML or an image: no viewer shows it
+                if len(o.get("data", {})) > 1:
+                    o["data"].pop("text/plain", None)
     write_nb(nb, path)
 
 
