@@ -261,9 +261,10 @@ def test_v2_roles_are_data():
 
 
 def test_v2_scheduler_covers_every_tile_once():
-    from w4a4_book.kernels.scheduler import raster
+    from w4a4_book.kernels.scheduler import PersistentRaster, raster
+    assert v2.W4A4GemmSm100V2.__init__.__defaults__ == (PersistentRaster,)      # the Hopper kernels' scheduler
     for m_tiles, n_tiles, cg, sms in [(17, 12, 2, 148), (3, 2, 1, 132), (40, 12, 2, 148)]:
-        s = v2.PairRaster(m_tiles, n_tiles, cg)
+        s = PersistentRaster(m_tiles, n_tiles, 1, tile_ctas=cg)
         c = s.clusters(sms)
         assert c <= sms // cg
         seen = [raster(k + i * c, m_tiles, n_tiles, s.group_m) for k in range(c) for i in range(s.count(k, c))]

@@ -22,28 +22,34 @@ def raster(t, m_tiles, n_tiles, group_m=8, minimum=min):
 
 class PersistentRaster:
     """Static persistent schedule of `m_tiles × n_ctiles` cluster tiles over the launched clusters, `raster` order.
-    `m_tiles` may be a run-time value (M read at run time): the scheduler then crosses traced loops like any DSL
-    value."""
+    A cluster tile is `cluster_n` tiles along N, one a CTA, each computed by `tile_ctas` CTAs together (2 for the
+    pair of an sm_100 `cta_group=2` MMA): a cluster holds `cluster_n · tile_ctas` CTAs. `m_tiles` may be a run-time
+    value (M read at run time): the scheduler then crosses traced loops like any DSL value."""
     group_m = 8
-    def __init__(self, m_tiles, n_ctiles, cluster_n):
-        self.m_tiles, self.n_ctiles, self.cluster_n = m_tiles, n_ctiles, cluster_n
+    def __init__(self, m_tiles, n_ctiles, cluster_n, tile_ctas=1):
+        self.m_tiles, self.n_ctiles, self.cluster_n, self.tile_ctas = m_tiles, n_ctiles, cluster_n, tile_ctas
 
     def __extract_mlir_values__(self): return extract_mlir_values([self.m_tiles])
     def __new_from_mlir_values__(self, values):
-        return type(self)(new_from_mlir_values(self.m_tiles, values), self.n_ctiles, self.cluster_n)
+        return type(self)(new_from_mlir_values(self.m_tiles, values), self.n_ctiles, self.cluster_n, self.tile_ctas)
 
     def clusters(self, num_sms):
         "How many clusters to launch: one per cluster tile, at most one CTA per SM."
-        return min(self.m_tiles * self.n_ctiles, num_sms // self.cluster_n)
+        return min(self.m_tiles * self.n_ctiles, num_sms // (self.cluster_n * self.tile_ctas))
 
     def count(self, cluster_id, n_clusters):
         "How many cluster tiles cluster `cluster_id` of `n_clusters` computes."
         return (self.m_tiles * self.n_ctiles - cluster_id + n_clusters - 1) // n_clusters
 
     @cute.jit
+    def cluster_tile(self, i, cluster_id, n_clusters):
+        "The cluster tile `(m, n)` of the cluster's `i`-th turn."
+        return raster(cluster_id + i * n_clusters, self.m_tiles, self.n_ctiles, self.group_m, cutlass.min)
+
+    @cute.jit
     def tile_mn(self, i, rank, cluster_id, n_clusters):
         "The `(m, n)` output tile of CTA `rank` of its cluster for the cluster's `i`-th tile."
-        m, nc = raster(cluster_id + i * n_clusters, self.m_tiles, self.n_ctiles, self.group_m, cutlass.min)
+        m, nc = self.cluster_tile(i, cluster_id, n_clusters)
         return m, nc * self.cluster_n + rank
 
 # %% ../../nbs/13j_scheduler.ipynb #9150aeb8

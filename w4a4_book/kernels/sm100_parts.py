@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['SF_VEC', 'SF_ATOM_ROWS', 'SF_ATOM_GROUPS', 'MMA_K', 'mma_scales_size', 'mma_scale_offset', 'to_mma_scales',
-           'from_mma_scales', 'NamedBarrier', 'Sm100Tensors', 'sm100_arguments', 'lora_up_prescaled', 'sm100_tensors',
-           'lora_step_at', 'emulate_sm100', 'Sm100Mmas', 'Sm100Layouts', 'Sm100Loads', 'Sm100GemmBase', 'Sm100Pipes',
-           'Sm100Smem', 'tile_copies', 'Sm100Epi']
+           'from_mma_scales', 'NamedBarrier', 'Sm100Tensors', 'Sm100Vectors', 'sm100_arguments', 'lora_up_prescaled',
+           'sm100_tensors', 'lora_step_at', 'emulate_sm100', 'Sm100Mmas', 'Sm100Layouts', 'Sm100Loads', 'Sm100GemmBase',
+           'Sm100Pipes', 'Sm100Smem', 'tile_copies', 'Sm100Operands', 'Sm100Epi']
 
 # %% ../../nbs/18_sm100_parts.ipynb #7d06b6e3
 import enum
@@ -74,6 +74,13 @@ class Sm100Tensors(NamedTuple):
     "The global tensors of the sm_100 kernels, as cute tensors, in launch order."
     act: object; wgt: object; act_sf: object; wgt_sf: object
     lora_act: object; lora_up: object; wcscales: object; bias: object; gscale: object; out: object
+
+@parts.kernel_bundle
+class Sm100Vectors(NamedTuple):
+    "What the epilogue reads from global memory beside the accumulator: `wcscales`, `bias` (N,) and `gscale` (1,)."
+    wcscales: object
+    bias: object
+    gscale: object       # fp32 `gs_a·gs_w`, which multiplies the accumulator
 
 def sm100_arguments(p: operands.Problem) -> tuple:
     "The `ArgSpec`s of an sm_100 launch, in `Sm100Tensors` order (R = 0 still passes 16-wide LoRA placeholders)."
@@ -410,12 +417,19 @@ def scale_copies(self: Sm100GemmBase, sSFA, sSFB, acc_ptr, mma, L: Sm100Layouts)
     return (*out, tCtSFA, tCtSFB)
 
 # %% ../../nbs/18_sm100_parts.ipynb #33be3ed4
+class Sm100Operands(NamedTuple):
+    "What the block-scaled MMAs of a stage read: the A and B fragments, and the copies of the scales into TMEM."
+    tCrA: object         # (MMA, MMA_M, MMA_K, STAGE)
+    tCrB: object         # (MMA, MMA_N, MMA_K, STAGE)
+    s2t: object          # `scale_copies`' answer
+
 @patch
 @cute.jit
-def mma_stage(self: Sm100GemmBase, main, cons, mma, acc, tCrA, tCrB, s2t):
+def mma_stage(self: Sm100GemmBase, main, cons, mma, acc, ops: Sm100Operands):
     """Leader only: wait for stage `cons`, copy its scales into TMEM, issue its block-scaled MMAs into `acc`
     (MMA, MMA_M, MMA_N), release the stage on their completion. Returns `mma`, its ACCUMULATE field set: the caller
     assigns it, so that a dynamic loop around the call carries the updated MMA."""
+    tCrA, tCrB, s2t = ops
     cp_a, src_a, dst_a, cp_b, src_b, dst_b, tCtSFA, tCtSFB = s2t
     main.consumer_wait(cons)
     cute.copy(cp_a, src_a[(None, None, None, None, cons.index)], dst_a)
@@ -504,11 +518,12 @@ def epi_copies(self: Sm100GemmBase, st, L: Sm100Layouts, tAcc, tidx) -> Sm100Epi
 
 @patch
 @cute.jit
-def store_tile(self: Sm100GemmBase, loads: Sm100Loads, ec: Sm100Epi, store, mt, n, acc_stage, mWcs, mBias, gs,
+def store_tile(self: Sm100GemmBase, loads: Sm100Loads, ec: Sm100Epi, store, mt, n, acc_stage, vecs: Sm100Vectors, gs,
                is_store_warp, done):
     """The epilogue warps: output tile `(mt, n)` (`bm x bn`) from accumulator stage `acc_stage`, per sub-tile
-    TMEM → registers, `·gs·wcscales + bias`, registers → ring slot `(done + j) % epi_stages`, a fence for the async
-    proxy, one TMA store issued by `is_store_warp`; `done` counts the sub-tiles this CTA stored before."""
+    TMEM → registers, `·gs·wcscales + bias` (`gs`: `vecs.gscale`'s value), registers → ring slot
+    `(done + j) % epi_stages`, a fence for the async proxy, one TMA store issued by `is_store_warp`; `done` counts
+    the sub-tiles this CTA stored before."""
     bm, bn, tma_c = self.bm, self.bn, loads.c
     # plain names: a dynamic loop may not carry a NamedTuple
     t2r, tTR_tAcc, tTR_cC, tTR_rAcc, r2s, tRS_rC, tRS_sC, sC, ET = ec
@@ -519,7 +534,7 @@ def store_tile(self: Sm100GemmBase, loads: Sm100Loads, ec: Sm100Epi, store, mt, 
     bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
     for j in cutlass.range(cute.size(tTR_tAcc, mode=[3]), unroll=1):
         cute.copy(t2r, tTR_tAcc[(None, None, None, j, acc_stage)], tTR_rAcc)
-        self.affine(tTR_rAcc, tTR_cC[(None, None, None, j)], mWcs, mBias, gs, n * bn)
+        self.affine(tTR_rAcc, tTR_cC[(None, None, None, j)], vecs, gs, n * bn)
         tRS_rC.store(r2s.retile(tTR_rAcc).load().to(self.c_dtype))
         buf = (done + j) % self.epi_stages
         cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
@@ -534,13 +549,14 @@ def store_tile(self: Sm100GemmBase, loads: Sm100Loads, ec: Sm100Epi, store, mt, 
 
 @patch
 @cute.jit
-def affine(self: Sm100GemmBase, acc, coords, mWcs, mBias, gs, n0):
-    "`acc = acc·gs·wcscales[n] + bias[n]` for one thread's accumulator elements; `coords` gives each one's (m, n)."
+def affine(self: Sm100GemmBase, acc, coords, vecs: Sm100Vectors, gs, n0):
+    """`acc = acc·gs·wcscales[n] + bias[n]` for one thread's accumulator elements (`vecs`' vectors, `gs` its
+    gscale's value); `coords` gives each one's (m, n)."""
     for i in cutlass.range_constexpr(cute.size(acc)):
         v = acc[i] * gs
         _, n = coords[i]
         if cutlass.const_expr(self.has_scale):
-            v = v * mWcs[n0 + n].to(cutlass.Float32)
+            v = v * vecs.wcscales[n0 + n].to(cutlass.Float32)
         if cutlass.const_expr(self.has_bias):
-            v = v + mBias[n0 + n].to(cutlass.Float32)
+            v = v + vecs.bias[n0 + n].to(cutlass.Float32)
         acc[i] = v

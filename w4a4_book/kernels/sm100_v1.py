@@ -17,7 +17,8 @@ from cutlass.pipeline import pipeline_init_wait
 import cuda.bindings.driver as cuda
 from fastcore.basics import patch
 # absolute imports: CuTe DSL re-executes this module's imports when it traces a kernel
-from .sm100_parts import NamedBarrier, Sm100GemmBase, Sm100Layouts, Sm100Loads, Sm100Mmas, tile_copies
+from .sm100_parts import (NamedBarrier, Sm100GemmBase, Sm100Layouts, Sm100Loads, Sm100Mmas,
+                                           Sm100Operands, Sm100Vectors, tile_copies)
 
 # %% ../../nbs/18a_sm100_v1.ipynb #5dfc95b2
 class W4A4GemmSm100V1(Sm100GemmBase):
@@ -38,7 +39,7 @@ def __call__(self: W4A4GemmSm100V1, mA: cute.Tensor, mB: cute.Tensor, mSFA: cute
     loads = self._loads(mA, mB, mSFA, mSFB, mLA, mLU, mC)
     M, N = cute.size(mC, mode=[0]), cute.size(mC, mode=[1])
     m_tiles = (M + self.mma_tiler[0] - 1) // self.mma_tiler[0]
-    self.kernel(loads, mWcs, mBias, mGs, self.mmas, self.layouts).launch(
+    self.kernel(loads, Sm100Vectors(mWcs, mBias, mGs), self.mmas, self.layouts).launch(
         grid=(m_tiles * self.cta_group, N // self.bn, 1), block=[self.threads, 1, 1],
         cluster=(self.cta_group, 1, 1), stream=stream)
 
@@ -54,7 +55,7 @@ class Sm100Cta(NamedTuple):
 
 @patch
 @cute.kernel
-def kernel(self: W4A4GemmSm100V1, loads: Sm100Loads, mWcs, mBias, mGs, mmas: Sm100Mmas, layouts: Sm100Layouts):
+def kernel(self: W4A4GemmSm100V1, loads: Sm100Loads, vecs: Sm100Vectors, mmas: Sm100Mmas, layouts: Sm100Layouts):
     "v1's device kernel: pipelines and TMEM, then every warp runs the one K-loop (warp 0 issues), then the epilogue."
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     bidx, bidy, _ = cute.arch.block_idx()
@@ -77,7 +78,7 @@ def kernel(self: W4A4GemmSm100V1, loads: Sm100Loads, mWcs, mBias, mGs, mmas: Sm1
     acc_ptr = tmem.retrieve_ptr(cutlass.Float32)
     tAcc = cute.make_tensor(acc_ptr, self.acc_layout(mmas.main))      # (MMA, MMA_M, MMA_N, 1)
     self.mainloop(st, loads, mmas, layouts, pipes, cta, tAcc, acc_ptr, warp)
-    self.epilogue(st, loads, layouts, pipes, cta, tAcc, mWcs, mBias, mGs, warp)
+    self.epilogue(st, loads, layouts, pipes, cta, tAcc, vecs, warp)
     acc_pipe = pipes.acc
     if warp == 0:
         # NOTES: the peer's epilogue arrives on the leader's barrier: the leader waits for it before it exits
@@ -99,14 +100,14 @@ def mainloop(self: W4A4GemmSm100V1, st, loads: Sm100Loads, mmas: Sm100Mmas, layo
     copies, masks = self.operand_copies(sm, loads, mmas, layouts, cta)
     copies = tile_copies(copies, cta.m, cta.n)                          # ((ATOM_V, REST_V), K_TILES) of this tile
     tCrA, tCrB = mma.make_fragment_A(sm.a), mma.make_fragment_B(sm.b)   # (MMA, MMA_M|N, MMA_K, STAGE)
-    s2t = self.scale_copies(sm.sfa, sm.sfb, acc_ptr, mma, layouts)
+    ops = Sm100Operands(tCrA, tCrB, self.scale_copies(sm.sfa, sm.sfb, acc_ptr, mma, layouts))
     if warp == 0:
-        self.issue(sm, loads, mmas, layouts, pipes, cta, copies, masks, tAcc[(None, None, None, 0)], tCrA, tCrB, s2t)
+        self.issue(sm, loads, mmas, layouts, pipes, cta, copies, masks, tAcc[(None, None, None, 0)], ops)
 
 @patch
 @cute.jit
 def issue(self: W4A4GemmSm100V1, sm, loads: Sm100Loads, mmas: Sm100Mmas, L: Sm100Layouts, pipes, cta,
-          copies, masks, acc, tCrA, tCrB, s2t):
+          copies, masks, acc, ops: Sm100Operands):
     "Warp 0: the K-loop's TMA loads (both CTAs) and MMAs (the leader) into `acc` (MMA, MMA_M, MMA_N), then its commit."
     mma, R, k_tiles = mmas.main, self.lora_rank, self.k_tiles
     # plain names: dynamic `if`s may not carry a NamedTuple
@@ -128,7 +129,7 @@ def issue(self: W4A4GemmSm100V1, sm, loads: Sm100Loads, mmas: Sm100Mmas, L: Sm10
             self.load_stage(main_pipe, prod, copies, masks, k + self.stages - 1)
             prod.advance()
         if cta.is_leader:
-            mma = self.mma_stage(main_pipe, cons, mma, acc, tCrA, tCrB, s2t)
+            mma = self.mma_stage(main_pipe, cons, mma, acc, ops)
             if cutlass.const_expr(R > 0):
                 self.lora_steps(mmas.lora, acc, lora[0], lora[1], 0, k, k_tiles)
         cons.advance()
@@ -155,7 +156,8 @@ def lora_views(self: W4A4GemmSm100V1, sm, loads: Sm100Loads, mmas: Sm100Mmas, L:
 # %% ../../nbs/18a_sm100_v1.ipynb #f0bcb042
 @patch
 @cute.jit
-def epilogue(self: W4A4GemmSm100V1, st, loads: Sm100Loads, L: Sm100Layouts, pipes, cta, tAcc, mWcs, mBias, mGs, warp):
+def epilogue(self: W4A4GemmSm100V1, st, loads: Sm100Loads, L: Sm100Layouts, pipes, cta, tAcc, vecs: Sm100Vectors,
+             warp):
     """All four warps: wait for the accumulator, store the tile one sub-tile at a time (`store_tile`, warp 0
     issuing the TMA stores), then release the accumulator to the leader."""
     tidx, _, _ = cute.arch.thread_idx()
@@ -164,7 +166,7 @@ def epilogue(self: W4A4GemmSm100V1, st, loads: Sm100Loads, L: Sm100Layouts, pipe
         num_stages=self.epi_stages, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads))
     cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
     pipes.acc.consumer_wait(cons)
-    self.store_tile(loads, ec, store, cta.m * self.cta_group + cta.v, cta.n, 0, mWcs, mBias, mGs[0], warp == 0, 0)
+    self.store_tile(loads, ec, store, cta.m * self.cta_group + cta.v, cta.n, 0, vecs, vecs.gscale[0], warp == 0, 0)
     cute.arch.fence_view_async_tmem_load()
     pipes.acc.consumer_release(cons)
     store.producer_tail()

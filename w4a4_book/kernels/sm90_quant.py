@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['G', 'INT4_MIN', 'INT4_MAX', 'MAX_RANK', 'PG_U_MIN', 'PG_U_MAX', 'INT8_MAX', 'FLOAT32_MAX', 'VEC', 'ROUNDER',
            'FAST_U_BASES', 'FAST_U_MARGIN', 'RECIP_7', 'copy_16b', 'recip_or_zero', 'smooth_amax', 'max_tree',
-           'QuantLoads', 'QuantOutputs', 'QuantLoraDown', 'row_base', 'group_scale', 'row_scales', 'group_u',
-           'pack_int8', 'RowCodes', 'cluster_sync']
+           'QuantLoads', 'QuantCopies', 'QuantOutputs', 'QuantLoraDown', 'row_base', 'group_scale', 'row_scales',
+           'group_u', 'pack_int8', 'RowCodes', 'cluster_sync']
 
 # %% ../../nbs/15_quant.ipynb #4256630b
 from typing import NamedTuple
@@ -72,6 +72,12 @@ def max_tree(vals: list):
 class QuantLoads(NamedTuple):
     "The activation kernel's two TMA loads: x and lora_downᵀ, each with the global view it was made for."
     x: object; x_g: object; w: object; w_g: object
+
+class QuantCopies(NamedTuple):
+    """One CTA's TMA copies of x and of lora_downᵀ: each atom, its row tile's K-blocks in global memory (TMA,
+    K_BLOCKS) and the ring's stages (TMA, S)."""
+    tma_x: object; tXgX: object; tXsX: object
+    tma_w: object; tWgW: object; tWsW: object
 
 @parts.kernel_bundle
 class QuantOutputs(NamedTuple):
@@ -221,6 +227,7 @@ class QuantLoraDown:
         tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
                                                       cute.group_modes(cute.local_tile(gW, (max(R, 16), G), (0, None)),
                                                                        0, 2))
+        copies = QuantCopies(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW)
         thr = mma.get_slice(tidx % 128)                             # this thread's place in its warpgroup
         tCrX = mma.make_fragment_A(thr.partition_A(sX))              # (MMA, MMA_M, MMA_K, S)
         tCrW = mma.make_fragment_B(thr.partition_B(sW))              # (MMA, MMA_N, MMA_K, S)
@@ -237,7 +244,7 @@ class QuantLoraDown:
             for _ in cutlass.range(cutlass.min(S, k_tiles), unroll=1):
                 pipe.producer_acquire(prod)
                 bar = pipe.producer_get_barrier(prod)
-                self.load(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0)
+                self.load(copies, bar, prod, k0)
                 prod.advance()
 
         # where `load_group` reads 1/smooth, and the share's first K-block there
@@ -251,8 +258,7 @@ class QuantLoraDown:
         if cutlass.const_expr(self.one_pass):
             self.hold_share(st, pipe, rX, smooth, outs, mma, frags, k0, k_tiles)
         else:
-            self.stream_share(loads, (tXgX, tXsX, tWgW, tWsW), pipe, prod, rX, (smooth, sk0), outs, mma, frags, k0,
-                              k_tiles)
+            self.stream_share(copies, pipe, prod, rX, (smooth, sk0), outs, mma, frags, k0, k_tiles)
 
     @cute.jit
     def stage_smooth(self, mRecipSmooth, sSm, k0):
@@ -267,21 +273,20 @@ class QuantLoraDown:
             cute.copy(copy_16b(cutlass.Float32), v, sS[None, i])
 
     @cute.jit
-    def load(self, tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0):
+    def load(self, copies: QuantCopies, bar, prod, k0):
         "Warp 0: TMA K-block `k0 + prod.count` of x (and of lora_downᵀ) into stage `prod.index`."
-        cute.copy(tma_x, tXgX[None, k0 + prod.count], tXsX[None, prod.index], tma_bar_ptr=bar)
+        cute.copy(copies.tma_x, copies.tXgX[None, k0 + prod.count], copies.tXsX[None, prod.index], tma_bar_ptr=bar)
         if cutlass.const_expr(self.rank > 0):
-            cute.copy(tma_w, tWgW[None, k0 + prod.count], tWsW[None, prod.index], tma_bar_ptr=bar)
+            cute.copy(copies.tma_w, copies.tWgW[None, k0 + prod.count], copies.tWsW[None, prod.index],
+                      tma_bar_ptr=bar)
 
 @patch
 @cute.jit
-def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, smooth, outs, mma, frags, k0, k_tiles):
+def stream_share(self: QuantLoraDown, copies: QuantCopies, pipe, prod, rX, smooth, outs, mma, frags, k0, k_tiles):
     """Two passes: the share streams through the ring, each K-block's LoRA step on wgmma while the CUDA cores take its
     codes (int4) or row maxima (pg_rowmax), warp 0 refilling the stage; then the fp32 partial (and the maxima) out.
     `smooth`: `(1/smooth, index of the share's first K-block in it)`, in shared memory where `smooth_staged`."""
     BM, R, S = self.tile_m, self.rank, self.stages
-    tma_x, _, tma_w, _ = loads
-    tXgX, tXsX, tWgW, tWsW = tma_parts
     tCrX, tCrW, tCcC, acc = frags
     mCodes, mAux, mLora = outs
     sSm, sk0 = smooth
@@ -314,7 +319,7 @@ def stream_share(self: QuantLoraDown, loads, tma_parts, pipe, prod, rX, smooth, 
         if warp == 0 and prod.count < k_tiles:
             pipe.producer_acquire(prod)
             bar = pipe.producer_get_barrier(prod)
-            self.load(tma_x, tXgX, tXsX, tma_w, tWgW, tWsW, bar, prod, k0)
+            self.load(copies, bar, prod, k0)
             prod.advance()
     if cutlass.const_expr(R > 0):
         for i in cutlass.range_constexpr(cute.size(acc)):
@@ -353,7 +358,7 @@ def hold_share(self: QuantLoraDown, st, pipe, rX, sSm, outs, mma, frags, k0, k_t
             gmax[m_local, j] = amax                                        # the shuffle gave both halves the same max
     if cutlass.const_expr(R > 0):
         cute.nvgpu.warpgroup.wait_group(0)
-    self.finish_in_cluster(st, rX, sSm, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles)
+    self.finish_in_cluster(st, rX, sSm, outs, frags, rowmax, m_local, half, k0, k_tiles)
 
 
 # %% ../../nbs/15_quant.ipynb #ae82f985
@@ -675,12 +680,13 @@ def cluster_sync():
 
 @patch
 @cute.jit
-def finish_in_cluster(self: QuantLoraDown, st, rX, sSm, outs, acc, tCcC, rowmax, m_local, half, k0, k_tiles):
-    """One pass (mode int4_pg or int8), after the K-loop: the warpgroups' row maxima and LoRA partials combined in
-    shared memory and pushed to the cluster (`push_to_cluster`); after one cluster barrier every CTA reads only its
-    own shared memory: the rows' `base`, this CTA's rows of `lora_act`, and the codes of the x it holds, each
-    warpgroup those of its K-blocks."""
+def finish_in_cluster(self: QuantLoraDown, st, rX, sSm, outs, frags, rowmax, m_local, half, k0, k_tiles):
+    """One pass (mode int4_pg or int8), after the K-loop: the warpgroups' row maxima and LoRA partials (`frags`'
+    accumulator) combined in shared memory and pushed to the cluster (`push_to_cluster`); after one cluster barrier
+    every CTA reads only its own shared memory: the rows' `base`, this CTA's rows of `lora_act`, and the codes of the
+    x it holds, each warpgroup those of its K-blocks."""
     BM, ks, wgs, pg = self.tile_m, self.k_splits, self.wgs, self.mode == "int4_pg"
+    _, _, tCcC, acc = frags
     mCodes, mBase, mLoraAct = outs
     bidx, kz, _ = cute.arch.block_idx()
     wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4

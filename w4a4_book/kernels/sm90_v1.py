@@ -53,6 +53,7 @@ class V1Tile(NamedTuple):
     acc: object; partial: object                    # (MMA, MMA_M, MMA_N) fp32 and INT32
     sSA: object; sSW: object                        # (BM, GROUPS, STAGE), (BN, GROUPS, STAGE)
     k_tiles: object
+    sC: object; gC: object                          # (EPI_M, EPI_N, EPI_TILES), (BM, BN): the epilogue's
 
 # %% ../../nbs/04_v1.ipynb #38429ccc
 @patch
@@ -105,9 +106,9 @@ def kernel(self: W4A4GemmV1, loads: parts.GemmLoads, mWcs, mBias, mmas: parts.Mm
     lora, lora_copies = self.lora_blocks(st, loads, layouts, bidx, bidy)
     tile = V1Tile(main_pipe, lora_pipe, a_mcast_mask, ((loads.a, tAgA, tAsA), (loads.b, tBgB, tBsB),
                   (loads.sa, tSgA, tSsA), (loads.sw, tSgW, tSsW)), lora_copies, tCrA8, tCrB8, tCcC, acc, partial,
-                  sSA, sSW, cute.size(gA, mode=[2]))
+                  sSA, sSW, cute.size(gA, mode=[2]), sC, gC)
     self.mainloop(st, mmas.main, tile, layouts, warp_idx, tidx)
-    self.finish(lora, tile, mmas, mWcs, mBias, bidy, sC, gC, loads.c, warp_idx, tidx)
+    self.finish(lora, tile, mmas, mWcs, mBias, bidy, loads.c, warp_idx, tidx)
 
 # %% ../../nbs/04_v1.ipynb #48c07de6
 @patch
@@ -218,7 +219,7 @@ def load_lora(self: W4A4GemmV1, lora_pipe, lora_copies):
 # %% ../../nbs/04_v1.ipynb #5be6dfb2
 @patch
 @cute.jit
-def finish(self: W4A4GemmV1, lora, tile: V1Tile, mmas: parts.Mmas, mWcs, mBias, bidy, sC, gC, tma_c, warp_idx, tidx):
+def finish(self: W4A4GemmV1, lora, tile: V1Tile, mmas: parts.Mmas, mWcs, mBias, bidy, tma_c, warp_idx, tidx):
     "The LoRA wgmmas into the accumulator, the affine, the cluster barrier and the TMA store of the tile."
     acc, mma_lora, lora_pipe = tile.acc, mmas.lora, tile.lora_pipe
     if cutlass.const_expr(self.lora_rank > 0):
@@ -238,5 +239,5 @@ def finish(self: W4A4GemmV1, lora, tile: V1Tile, mmas: parts.Mmas, mWcs, mBias, 
     if cutlass.const_expr(self.cluster_n > 1):
         cute.arch.cluster_arrive()       # no CTA of the pair exits while its peer may still multicast into it
         cute.arch.cluster_wait()
-    store_tile(acc, sC, gC, tma_c, mmas.main, self.epi_tile, self.c_dtype, tidx, warp_idx == 0,
+    store_tile(acc, tile.sC, tile.gC, tma_c, mmas.main, self.epi_tile, self.c_dtype, tidx, warp_idx == 0,
                epilogue_barrier(self.threads))
