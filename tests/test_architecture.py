@@ -1,5 +1,6 @@
 """The library's shape, checked: imports run one way down the layers, no module imports another that imports it back,
-no function is longer than 100 lines, pyflakes finds nothing, and `import w4a4_book` gives the public surface."""
+no function is longer than 100 lines nor takes more than 10 parameters, pyflakes finds nothing, and `import w4a4_book`
+gives the public surface."""
 import ast
 import fnmatch
 import re
@@ -126,6 +127,47 @@ def test_package_lines_at_most_120():
             if len(line) > 120 and not nbdev_all:
                 long.append(f"{p.relative_to(PKG)}:{i + 1}: {len(line)} characters")
     assert not long, f"{len(long)} lines over 120 characters:\n" + "\n".join(long)
+
+
+MAX_PARAMETERS = 10
+# Interfaces that must stay flat, as `module.function`. torch.library makes the op `w4a4::linear` from a schema of
+# one argument per tensor or option, and calls its implementation and its fake (`_`) with them one by one;
+# `_check_linear` checks those arguments as the op receives them.
+# The launches' `__call__` are the compiled functions' calling convention, one argument per tensor the GPU tests ran.
+# cutlass-dsl 4.3.5 takes a bundle only as a tuple that states its MLIR types, with a tensor left at the top level,
+# and builds a TVM-FFI array from it on every launch; held flat until a GPU run times and checks that.
+FLAT_INTERFACES = {"ops.w4a4_linear", "ops._", "ops._check_linear",
+                   "kernels.sm90_pg.__call__", "kernels.sm100_v1.__call__", "kernels.sm100_v2.__call__"}
+
+
+def parameters(node) -> list:
+    "The names of a function's parameters, `self` or `cls` first left out."
+    a = node.args
+    names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if p is not None]
+    return names[1:] if names[:1] in (["self"], ["cls"]) else names
+
+
+def functions():
+    "Every function and method of the package as (`module.function`, its `ast` node)."
+    for name, path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield f"{name}.{node.name}", node
+
+
+def test_no_function_takes_over_10_parameters():
+    """No function or method of the package takes more than `MAX_PARAMETERS` parameters (`self` and `cls` not counted):
+    what travels together is bundled and passed whole (a kernel's per-CTA objects in one `NamedTuple`). Only
+    `FLAT_INTERFACES` are exempt."""
+    wide = [f"{f} (line {node.lineno}): {len(parameters(node))} parameters" for f, node in functions()
+            if len(parameters(node)) > MAX_PARAMETERS and f not in FLAT_INTERFACES]
+    assert not wide, f"{len(wide)} functions take more than {MAX_PARAMETERS} parameters:\n" + "\n".join(wide)
+
+
+def test_the_flat_interfaces_are_flat():
+    "Each exempt interface exists and is over the limit: an entry no function needs any more goes."
+    widths = {f: len(parameters(node)) for f, node in functions()}
+    assert {f: widths.get(f, 0) > MAX_PARAMETERS for f in FLAT_INTERFACES} == dict.fromkeys(FLAT_INTERFACES, True)
 
 
 CONTEXT = r"\b(see|the \w+|as) (above|below)\b|\bthis chapter\b|\bthe last section\b|\bthe text\b"   # what help() cannot show
