@@ -11,6 +11,7 @@ from importlib import import_module
 from typing import Optional, Protocol, runtime_checkable
 
 import w4a4_book.smem as smem
+import w4a4_book.configs as configs
 from .operands import Problem, Requirements, fail
 from .heuristics import tile_choice
 
@@ -67,7 +68,10 @@ class KernelSpec:
 REGISTRY: dict = {}
 
 def register(spec: KernelSpec) -> KernelSpec:
-    "Add `spec` to the registry; its config class must carry budget rules (`smem.Family`) and name a row of its own."
+    """Add `spec` to the registry; its config class must be a `configs.KernelConfig` (its problem apart from its
+    tuning), carry budget rules (`smem.Family`) and name a row of its own."""
+    if not (isinstance(spec.config, type) and issubclass(spec.config, configs.KernelConfig)):
+        fail(TypeError, "config", f"{spec.config!r} is not a configs.KernelConfig (its problem apart from its tuning)")
     if not isinstance(getattr(spec.config, "rules", None), smem.Family):
         fail(TypeError, "config", f"{spec.config.__name__} carries no budget rules (`rules`, a smem.Family)")
     held = REGISTRY.get(spec.key)
