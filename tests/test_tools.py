@@ -11,7 +11,7 @@ from w4a4_book import act_quant, checks, gemm, heuristics, jit, probes, registry
 from w4a4_book.bench import variants
 from w4a4_book.operands import Problem
 from w4a4_book.records import data_dir, list_records, load_record, remeasure
-from w4a4_book.smem import HopperV1Config, HopperV2Config
+from w4a4_book.configs import HopperV1Config, HopperV2Config
 
 CSV = '''==PROF== Connected to process 1
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"

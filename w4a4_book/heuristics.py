@@ -9,6 +9,7 @@ import functools
 from dataclasses import replace
 
 import w4a4_book.smem as smem
+import w4a4_book.configs as configs
 from .operands import Problem, fail
 
 # %% auto #0
@@ -26,7 +27,7 @@ MIN_STAGES = 3                                   # main stages a default config 
 MIN_WAVE_FILL = 0.9                              # the share of the SMs' first wave a tile grid must fill (see above)
 # per config class, the (activation-tile height, epi_tile_m, epi_stages, epi_vectors, epi_deferred) a default config
 # tries, in order. NOTES: a 256-row tile's held output spills (ptxas), so only the lower tiles defer their store.
-TILE_CHOICES = {smem.HopperPgConfig: ((256, 64, 2, "smem", False), (256, 32, 2, "smem", False),
+TILE_CHOICES = {configs.HopperPgConfig: ((256, 64, 2, "smem", False), (256, 32, 2, "smem", False),
                                       (256, 32, 1, "smem", False), (256, 32, 1, "global", False),
                                       (224, 32, 2, "smem", True), (208, 16, 2, "smem", True),
                                       (192, 32, 2, "smem", True), (128, 32, 2, "smem", True),
