@@ -24,10 +24,10 @@ def _records(kind):
 def test_accounting_rows_fix_never_has_fewer_stages():
     rows = repro.accounting_rows()
     by = {(r["config"], r["accounting"]): r for r in rows}
-    configs = {r["config"] for r in rows}
+    labels = {r["config"] for r in rows}
     # Hopper int4 v2 and the int4_pg kernel at two tiles, at each rank, both modes
-    assert len(configs) == len(repro.LORA_BUG_CONFIGS) * len(repro.LORA_BUG_RANKS) and len(rows) == 2 * len(configs)
-    for c in configs:
+    assert len(labels) == len(repro.LORA_BUG_CONFIGS) * len(repro.LORA_BUG_RANKS) and len(rows) == 2 * len(labels)
+    for c in labels:
         bug, fix = by[c, repro.BUG], by[c, repro.FIX]
         if fix["main_stages"] == 0:                  # R=256: not one stage fits even under the fix
             assert bug["main_stages"] == 0 and "note" in fix, c
@@ -367,11 +367,11 @@ def test_accounting_modes_match_reference():
     "The bug cannot fail a correctness test: v2 2-CTA at 1 stage (bug) and 3 stages (fix) both match the reference."
     from test_kernels import check_against_ref, make_case
     M, N, K, R = 300, 1024, 1024, 128
-    configs = {a: replace(repro.LORA_BUG_CONFIG, lora_accounting=a) for a in (repro.BUG, repro.FIX)}
-    stages = {a: smem.solve(c.bind(Problem(M, N, K, R)), k=K).stages["main"] for a, c in configs.items()}
+    by_acct = {a: replace(repro.LORA_BUG_CONFIG, lora_accounting=a) for a in (repro.BUG, repro.FIX)}
+    stages = {a: smem.solve(c.bind(Problem(M, N, K, R)), k=K).stages["main"] for a, c in by_acct.items()}
     assert stages == {"per_cta": 3, "pair": 1}
     case = make_case(M, N, K, R, seed=6)
-    for acct, config in configs.items():
+    for acct, config in by_acct.items():
         out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
         gemm.gemm_w4a4(*case, config=config, out=out)
         torch.cuda.synchronize()

@@ -121,15 +121,15 @@ def _v2_config(cg, R, acct, tile_n, acc_stages):
 def reports():
     "One subprocess (CUTE_DSL_ARCH=sm_90a) compiles every config of `COMPILES` and `COMPILES_V2` for sm_100a on fake tensors."
     import os, pickle, tempfile
-    configs = [((cg, R, a), _cfg(cg, lora_accounting=a), R) for cg, R, a in COMPILES]
-    configs += [(("v2", *key), _v2_config(*key), key[1]) for key in COMPILES_V2]
+    cases = [((cg, R, a), _cfg(cg, lora_accounting=a), R) for cg, R, a in COMPILES]
+    cases += [(("v2", *key), _v2_config(*key), key[1]) for key in COMPILES_V2]
     code = ("import pickle, sys; import w4a4_book.jit as j, w4a4_book.registry as r; out = {}\n"
             "for key, c, R in pickle.load(open(sys.argv[1], 'rb')):\n"
             "    out[key] = j.compile_kernel(c, j.example_problem(r.spec_for(c), 4352, 3072, 3840, R))\n"
             "pickle.dump(out, open(sys.argv[2], 'wb'))")
     with tempfile.TemporaryDirectory() as d:
         src, dst = os.path.join(d, "in.pkl"), os.path.join(d, "out.pkl")
-        pickle.dump(configs, open(src, "wb"))
+        pickle.dump(cases, open(src, "wb"))
         r = subprocess.run([sys.executable, "-c", code, src, dst], capture_output=True, text=True,
                            env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
         assert r.returncode == 0, r.stderr[-4000:]

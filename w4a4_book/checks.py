@@ -31,10 +31,13 @@ def gemm_cases() -> dict:
     "Every registered sm_90a kernel, one CTA and (where it takes one) a pair: `{name: (config, R)}`."
     return {"v1 int4": (configs.HopperV1Config(), 32), "v1 int4 pair": (configs.HopperV1Config(cluster_n=2), 32),
             "v2 int4": (configs.HopperV2Config(), 32), "v2 int4 pair": (configs.HopperV2Config(cluster_n=2), 128),
-            "v1 int4_pg": (configs.HopperPgV1Config(), 32), "v1 int4_pg pair": (configs.HopperPgV1Config(cluster_n=2), 32),
+            "v1 int4_pg": (configs.HopperPgV1Config(), 32),
+            "v1 int4_pg pair": (configs.HopperPgV1Config(cluster_n=2), 32),
             "v2 int4_pg": (configs.HopperPgConfig(), 32), "v2 int4_pg pair": (configs.HopperPgConfig(cluster_n=2), 128),
-            "v2 int4_pg lora ring": (configs.HopperPgConfig(tile_m=128, cluster_n=2, lora_stages=3, lora_chunk=64), 128),
-            "v2 int4_pg smem": (configs.HopperPgSmemConfig(), 32), "v2sk int4_pg": (configs.HopperPgStreamKConfig(), 32)}
+            "v2 int4_pg lora ring":
+                (configs.HopperPgConfig(tile_m=128, cluster_n=2, lora_stages=3, lora_chunk=64), 128),
+            "v2 int4_pg smem": (configs.HopperPgSmemConfig(), 32),
+            "v2sk int4_pg": (configs.HopperPgStreamKConfig(), 32)}
 
 QUANT_CASES = ((128, True), (32, True), (0, False))          # (R, smooth) of each activation-kernel mode
 SM100_V1_CASES = ((1, 32, "per_cta"), (1, 0, "per_cta"), (2, 32, "per_cta"), (2, 32, "pair"), (2, 128, "pair"))
@@ -44,7 +47,8 @@ SM100_V2_CASES = ((2, 32, "per_cta", 256, 1), (2, 128, "pair", 256, 1), (2, 0, "
 def sm100_cases() -> dict:
     """The sm_100a kernels, v1 (`SM100_V1_CASES`: cta_group, R, accounting) and v2 (`SM100_V2_CASES`: the same, tile_n
     and acc_stages), one CTA and a pair, with and without LoRA, under both accountings: `{name: (config, R)}`."""
-    v1 = {f"sm100 v1 cta_group={g} R={R} {a}": (configs.Sm100V1Config(cta_group=g, tile_m=128 * g, lora_accounting=a), R)
+    v1 = {f"sm100 v1 cta_group={g} R={R} {a}":
+          (configs.Sm100V1Config(cta_group=g, tile_m=128 * g, lora_accounting=a), R)
           for g, R, a in SM100_V1_CASES}
     v2 = {f"sm100 v2 cta_group={g} R={R} {a} tile_n={n} acc_stages={s}":
           (configs.Sm100V2Config(cta_group=g, tile_m=128 * g, lora_accounting=a, tile_n=n, acc_stages=s), R)

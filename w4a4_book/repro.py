@@ -142,7 +142,8 @@ LORA_BUG_PROBLEMS = tuple(workloads.bench_problems("m4352", ranks=LORA_BUG_RANKS
 LORA_BUG_CONFIG = configs.HopperV2Config(cluster_n=2)   # int4 v2 as a 2-CTA pair, each CTA holding half of LU
 # the experiment's grid: every kernel with a pair to mis-charge. The exact-integer kernel at both of its tile heights
 # (128 is the one whose stages the bug moves; 256 is its default at R=32).
-LORA_BUG_CONFIGS = (LORA_BUG_CONFIG, configs.HopperPgConfig(cluster_n=2, tile_m=128), configs.HopperPgConfig(cluster_n=2))
+LORA_BUG_CONFIGS = (LORA_BUG_CONFIG, configs.HopperPgConfig(cluster_n=2, tile_m=128),
+                    configs.HopperPgConfig(cluster_n=2))
 PHANTOM = ("the historical charge (`pair`) bills each CTA of a 2-CTA pair for the pair's whole LoRA up-projection "
            "block (2·BN × R) although it holds only its own BN × R half; those phantom bytes are never allocated, "
            "they only shrink the main K-loop's stage count, which the fix (`per_cta`) gives back")
@@ -163,12 +164,12 @@ def row_config(row):
     ring = {k: row[k] for k in ("lora_stages", "lora_chunk") if k in row}
     return spec.config(cluster_n=row["cluster_n"], tile_m=row["tile_m"], lora_accounting=row["accounting"], **ring)
 
-def accounting_rows(ranks=LORA_BUG_RANKS, cluster_n=LORA_BUG_CONFIG.cluster_n, configs=LORA_BUG_CONFIGS):
-    """Main stages and bytes under the bug and the fix, for each Hopper pair kernel of `configs` with `cluster_n` CTAs
+def accounting_rows(ranks=LORA_BUG_RANKS, cluster_n=LORA_BUG_CONFIG.cluster_n, bases=LORA_BUG_CONFIGS):
+    """Main stages and bytes under the bug and the fix, for each Hopper pair kernel of `bases` with `cluster_n` CTAs
     at each rank."""
     _check_ranks(ranks)
     rows = []
-    for base in configs:
+    for base in bases:
         for r in ranks:
             cfg = replace(base, cluster_n=cluster_n, lora_rank=r)
             for acct in (BUG, FIX):
@@ -228,7 +229,8 @@ def find_moves(k: int = 3840, ranks=LORA_BUG_RANKS, lora_stages=MOVE_LORA_STAGES
                              bug_builds=bug >= smem.family_of(cfg).min_stages))
     return rows
 
-LORA_MOVE_CONFIG = configs.HopperPgConfig(tile_m=128, cluster_n=2, lora_stages=3, lora_chunk=64)   # the original's 4 -> 2
+# the original's 4 -> 2
+LORA_MOVE_CONFIG = configs.HopperPgConfig(tile_m=128, cluster_n=2, lora_stages=3, lora_chunk=64)
 LORA_MOVES = ((LORA_MOVE_CONFIG, (64, 128, 256)),)                 # R=64 whole, R=128 and 256 in chunks of 64 columns
 LORA_MOVE_PROBLEMS = tuple(dict.fromkeys(p for _, ranks in LORA_MOVES
                                          for p in workloads.bench_problems("m4352", ranks=ranks)))
