@@ -21,16 +21,17 @@ LAYERS = [
     ("gemm", "act_quant"),                                          # the launch paths: the GEMM's, the activation kernel's
     ("jit",),                                                       # building, compiling, the kernel cache
     ("registry",),                                                  # the kernels, by row
-    ("heuristics",),                                                # a config bound to its problem: tiles, grids
+    ("heuristics",),                                                # tile, stage and wave rules; grids
     ("kernels.pg_variants",),                                       # the exact-integer kernel's variants, on their base
     ("kernels.sm90_v1", "kernels.sm90_v2", "kernels.sm90_quant", "kernels.sm90_pg", "kernels.sm100_v*"),  # kernels
     ("kernels.sm100_parts", "kernels.pg_decode"),                   # one family's parts: Blackwell's, the int4_pg decode
     ("kernels.sm90_parts",),                                        # kernel parts
     ("kernels.scheduler", "kernels.barriers", "kernels.ptx"),       # tile schedulers, barriers, inline PTX
     ("cache",),                                                     # what the host layer keeps between calls
+    ("configs",),                                                   # the kernels' configs: problem apart from tuning
     ("smem", "reference", "operands", "formats", "records"),        # foundations
 ]
-SIBLINGS_MAY_IMPORT = {1, 14}     # experiments build on each other, foundations too; kernels never import kernels
+SIBLINGS_MAY_IMPORT = {1, 15}     # experiments build on each other, foundations too; kernels never import kernels
 EXEMPT = {"__init__", "_modidx", "kernels", "kernels.__init__", "bench.__init__"}   # the package facade and nbdev's index
 
 

@@ -30,7 +30,7 @@ from w4a4_book.formats import dequantize, quantize
 from w4a4_book.operands import Problem
 from w4a4_book.records import data_dir, list_records, load_record, provenance, save_record
 from w4a4_book.reference import w4a4_gemm_ref
-from w4a4_book.smem import HopperV1Config, HopperV2Config
+from w4a4_book.configs import HopperV1Config, HopperV2Config
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
 
@@ -367,7 +367,7 @@ def test_budget_of_a_kernel_method():
     "The stages a kernel method runs with are the solver's for its config bound to the workload's problem."
     from w4a4_book import smem
     p = make_workload(64, 128, 3840, 128, device="cpu").problem
-    stages = {m.name: smem.solve(heuristics.bind(m.config, p), k=p.K).stages["main"] for m in KERNELS}
+    stages = {m.name: smem.solve(m.config.bind(p), k=p.K).stages["main"] for m in KERNELS}
     assert stages["w4a4_v2"] == stages["w4a4_v2_2cta"] == 3      # the fix: a pair charges each CTA its half of LU
 
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NBS = ROOT/"nbs"
 PART_I = ["01_hopper", "02_formats", "03_reference", "04_v1", "05_v2", "06_budget", "07_lora_bug", "08_pipeline_depth", "09_pg",
           "10_blackwell", "11_lessons"]
-PART_II = ["12_package", "13_gemm", "13a_operands", "13b_sm90_parts", "13c_pg_variants", "13d_registry", "13e_heuristics",
+PART_II = ["12_package", "12a_configs", "13_gemm", "13a_operands", "13b_sm90_parts", "13c_pg_variants", "13d_registry", "13e_heuristics",
            "13f_jit", "13g_cache", "13h_ptx", "13i_barriers", "13j_scheduler", "13k_pg_decode",
            "14_layer", "14a_ops", "15_quant", "15a_act_quant", "16_accuracy",
            "17_block", "18_sm100_parts", "18a_sm100_v1", "18b_sm100_v2", "19_flux", "19a_nunchaku"]

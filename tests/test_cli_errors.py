@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from w4a4_book import cli, records, repro, smem, sweep, heuristics, jit, registry, gemm
+from w4a4_book import cli, records, repro, smem, configs, sweep, heuristics, jit, registry, gemm
 from w4a4_book.bench import block, layer, report, timing, workloads
 from w4a4_book.formats import quantize
 from w4a4_book.operands import (Problem, Requirements, check_int32_sum, check_layer_args, check_operands, check_problem,
@@ -248,14 +248,14 @@ API_CASES = [
                               dtypes=(torch.bfloat16,), backend="sm90", backends=("sm90",)),
      ValueError, "in_features: "),
     # smem
-    (lambda: smem.HopperV2Config(lora_rank=-1), ValueError, "lora_rank=-1: must be >= 0"),
-    (lambda: smem.HopperV1Config(tile_m="128"), TypeError, "tile_m must be an int"),
-    (lambda: smem.HopperPgConfig(arch="sm_80"), ValueError, "arch='sm_80'"),
-    (lambda: smem.HopperPgConfig(fmt="int4"), ValueError, "fmt='int4'"),
-    (lambda: smem.Sm100V2Config(acc_stages=3), ValueError, "acc_stages=3"),
+    (lambda: configs.HopperV2Config(lora_rank=-1), ValueError, "lora_rank=-1: must be >= 0"),
+    (lambda: configs.HopperV1Config(tile_m="128"), TypeError, "tile_m must be an int"),
+    (lambda: configs.HopperPgConfig(arch="sm_80"), ValueError, "arch='sm_80'"),
+    (lambda: configs.HopperPgConfig(fmt="int4"), ValueError, "fmt='int4'"),
+    (lambda: configs.Sm100V2Config(acc_stages=3), ValueError, "acc_stages=3"),
     (lambda: smem.solve("cfg"), TypeError, "cfg must be a config whose class carries its budget rules"),
-    (lambda: smem.solve(smem.HopperV1Config(), k=-1), ValueError, "k=-1: must be a positive int"),
-    (lambda: smem.explain("nope"), ValueError, "cfg='nope'"),
+    (lambda: smem.solve(configs.HopperV1Config(), k=-1), ValueError, "k=-1: must be a positive int"),
+    (lambda: configs.explain("nope"), ValueError, "cfg='nope'"),
     (lambda: smem.Term("x", 3, 3, "int8", None, ""), ValueError, "align=3"),
     # gemm
     (lambda: registry.find_kernel(fmt="bogus"), ValueError, "fmt: no kernel computes 'bogus'"),
@@ -268,16 +268,16 @@ API_CASES = [
     (lambda: jit.compile_kernel(arch="sm_80"), ValueError, "arch: 'sm_80': v2 (int4_pg, rs, sm_90a) compiles for"),
     (lambda: jit.compile_kernel("cfg"), TypeError, "config: expected one of"),
     (lambda: jit.compile_kernel(problem="p"), TypeError, "problem: expected an operands.Problem"),
-    (lambda: jit.compile_kernel(smem.HopperV1Config(), Problem(4352, 3072, 3008, 32)), ValueError,
+    (lambda: jit.compile_kernel(configs.HopperV1Config(), Problem(4352, 3072, 3008, 32)), ValueError,
      "act: K=3008 must be a multiple of 128"),
-    (lambda: jit.compile_kernel(smem.HopperPgConfig(), Problem(4352, 3072, 3840, 32)), ValueError,
+    (lambda: jit.compile_kernel(configs.HopperPgConfig(), Problem(4352, 3072, 3840, 32)), ValueError,
      "act: format 'int4'"),
     (lambda: registry.spec_for(5), TypeError, "config: expected one of"),
     (lambda: jit.example_problem(registry.find_kernel(), K=100), ValueError, "K: K=100"),
-    (lambda: heuristics.bind(smem.HopperV2Config(lora_rank=64), Problem(8, 256, 256, 32)), ValueError,
+    (lambda: configs.HopperV2Config(lora_rank=64).bind(Problem(8, 256, 256, 32)), ValueError,
      "config.lora_rank: is 64"),
-    (lambda: heuristics.bind(smem.HopperV2Config(), "p"), TypeError, "problem: expected an operands.Problem"),
-    (lambda: heuristics.tile_choice(smem.HopperPgConfig(), "p"), TypeError, "problem: expected an operands.Problem"),
+    (lambda: configs.HopperV2Config().bind("p"), TypeError, "problem: expected an operands.Problem"),
+    (lambda: heuristics.tile_choice(configs.HopperPgConfig(), "p"), TypeError, "problem: expected an operands.Problem"),
     (lambda: heuristics.k_splits(4, 60, 132, ctas_per_sm=0), ValueError, "ctas_per_sm: must be an int >= 1"),
     (lambda: gemm.gemm_w4a4(quantize(torch.randn(8, 128), "int4"), quantize(torch.randn(128, 128), "int4")), ValueError,
      "act: must be on a CUDA device"),
@@ -304,7 +304,7 @@ API_CASES = [
     (lambda: repro.row_config(dict(kernel="v9", fmt="int4", cluster_n=2, tile_m=128, accounting="per_cta")), ValueError,
      "kernel: 'v9'"),
     # sweep
-    (lambda: sweep.max_stages(smem.HopperV2Config(), "p"), TypeError, "problem: expected an operands.Problem"),
+    (lambda: sweep.max_stages(configs.HopperV2Config(), "p"), TypeError, "problem: expected an operands.Problem"),
     (lambda: sweep.curves([{"version": "v2"}]), ValueError, "rows: rows[0] lacks M"),
     (lambda: sweep.sweep_table([]), ValueError, "rows: must be a non-empty list"),
     (lambda: sweep.curve_config(("v9", 1, 1, 1, 1, 1, "int4", None)), ValueError, "kernel: 'v9'"),

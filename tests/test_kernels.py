@@ -5,7 +5,7 @@ from w4a4_book.formats import quantize
 from w4a4_book.reference import w4a4_gemm_ref
 from w4a4_book import operands, jit, registry, gemm
 from w4a4_book.operands import Problem
-from w4a4_book.smem import HopperV1Config, HopperV2Config
+from w4a4_book.configs import HopperV1Config, HopperV2Config
 
 CONFIGS = {"v1": HopperV1Config, "v2": HopperV2Config}
 

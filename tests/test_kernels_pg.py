@@ -2,11 +2,11 @@
 exact int64 reference, and one compiled kernel serving every M."""
 import pytest, torch
 from dataclasses import replace
-from w4a4_book import smem, heuristics, jit, registry, gemm
+from w4a4_book import smem, configs, jit, registry, gemm
 from w4a4_book.formats import quantize
 from w4a4_book.operands import Problem
 from w4a4_book.reference import w4a4_gemm_exact
-from w4a4_book.smem import HopperPgConfig, HopperPgSmemConfig, HopperPgStreamKConfig, HopperPgV1Config
+from w4a4_book.configs import HopperPgConfig, HopperPgSmemConfig, HopperPgStreamKConfig, HopperPgV1Config
 
 
 def pg_problem(M, N, K, R=32, out_dtype=torch.bfloat16):
@@ -64,7 +64,7 @@ def test_the_decode_multiplies_nothing():
     H200 those cost the INT8 tensor pipe throughput, chapter 9), and the lookup tables are the solver's term."""
     from w4a4_book import smem
     from w4a4_book.kernels.pg_decode import DECODE_LOOKUP
-    assert smem.PG_LOOKUP_BYTES == DECODE_LOOKUP.nbytes
+    assert configs.PG_LOOKUP_BYTES == DECODE_LOOKUP.nbytes
     for cfg in (HopperPgConfig(), HopperPgSmemConfig(), HopperPgV1Config()):
         rep = jit.compile_kernel(cfg, pg_problem(4352, 3072, 3840, 0))
         assert rep.count(r"mad\.hi\.u32") == 0 and rep.count(r"prmt\.b32") >= 5, type(cfg).__name__
@@ -80,7 +80,7 @@ def test_lora_chunks_compile_with_the_solvers_storage(cls, kw):
     cfg, p = cls(**kw), pg_problem(4352, 3072, 3840, 128)
     rep = jit.compile_kernel(cfg, p)
     check_compiled(rep, 128, a_in_registers=cls is HopperPgConfig)
-    whole = smem.solve(heuristics.bind(replace(cfg, lora_chunk=None, lora_stages=1), p), k=p.K).stages["main"]
+    whole = smem.solve(replace(cfg, lora_chunk=None, lora_stages=1).bind(p), k=p.K).stages["main"]
     assert rep.budget.stages["main"] > whole
 
 
@@ -92,7 +92,7 @@ def test_lora_chunk_validity():
     with pytest.raises(ValueError, match="lora_chunk=8"):
         smem.check_config(HopperPgConfig(lora_rank=128, lora_chunk=8))
     smem.check_config(HopperPgConfig(lora_rank=16, lora_chunk=32))          # wider than the rank: one chunk
-    assert smem.lora_chunk_of(HopperPgConfig(lora_rank=16, lora_chunk=32)) == 16
+    assert configs.lora_chunk_of(HopperPgConfig(lora_rank=16, lora_chunk=32)) == 16
 
 def check_vectors(rep):
     """With the epilogue's vectors in shared memory the kernel loads only each thread's few shares from global memory

@@ -11,7 +11,7 @@ from w4a4_book.formats import dequantize, quantize, reciprocal
 from w4a4_book.layers import W4A4Linear, low_rank, smooth_factors
 from w4a4_book.reference import w4a4_gemm_ref
 from w4a4_book import act_quant, gemm, registry
-from w4a4_book.smem import HopperV1Config, HopperV2Config
+from w4a4_book.configs import HopperV1Config, HopperV2Config
 
 FORMATS = ("int4", "nvfp4")
 

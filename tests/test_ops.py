@@ -9,7 +9,7 @@ from torch import nn
 from w4a4_book import act_quant, cache, jit, ops, registry
 from w4a4_book.layers import W4A4Linear, quantize_model, save_quantized
 from w4a4_book.reference import w4a4_gemm_ref
-from w4a4_book.smem import HopperV2Config
+from w4a4_book.configs import HopperV2Config
 
 PAIRS = [("int4", None), ("nvfp4", None), ("int4_pg", None), ("int4_pg", "int8")]
 OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")

@@ -8,7 +8,7 @@ import torch
 from matplotlib.figure import Figure
 from dataclasses import replace
 
-from w4a4_book import records, repro, smem, sweep, heuristics, jit, registry, gemm
+from w4a4_book import records, repro, smem, configs, sweep, heuristics, jit, registry, gemm
 from w4a4_book.bench import timing, workloads
 from w4a4_book.cli import main, parser
 from w4a4_book.operands import Problem
@@ -24,10 +24,10 @@ def _records(kind):
 def test_accounting_rows_fix_never_has_fewer_stages():
     rows = repro.accounting_rows()
     by = {(r["config"], r["accounting"]): r for r in rows}
-    configs = {r["config"] for r in rows}
+    labels = {r["config"] for r in rows}
     # Hopper int4 v2 and the int4_pg kernel at two tiles, at each rank, both modes
-    assert len(configs) == len(repro.LORA_BUG_CONFIGS) * len(repro.LORA_BUG_RANKS) and len(rows) == 2 * len(configs)
-    for c in configs:
+    assert len(labels) == len(repro.LORA_BUG_CONFIGS) * len(repro.LORA_BUG_RANKS) and len(rows) == 2 * len(labels)
+    for c in labels:
         bug, fix = by[c, repro.BUG], by[c, repro.FIX]
         if fix["main_stages"] == 0:                  # R=256: not one stage fits even under the fix
             assert bug["main_stages"] == 0 and "note" in fix, c
@@ -60,9 +60,9 @@ def test_accounting_rows_rejects_bad_input(kw, match):
 
 
 def test_bug_and_fix_are_the_solver_modes():
-    assert {repro.BUG, repro.FIX} == set(smem.HopperV2Config.rules.accountings) < set(smem.LORA_ACCOUNTING)
+    assert {repro.BUG, repro.FIX} == set(configs.HopperV2Config.rules.accountings) < set(smem.LORA_ACCOUNTING)
     assert repro.LORA_BUG_PROBLEMS == tuple(workloads.bench_problems("m4352", ranks=repro.LORA_BUG_RANKS))
-    assert repro.LORA_BUG_CONFIG == smem.HopperV2Config(cluster_n=2)     # v2 as a pair: the only kernel with a pair to mis-charge
+    assert repro.LORA_BUG_CONFIG == configs.HopperV2Config(cluster_n=2)     # v2 as a pair: the only kernel with a pair to mis-charge
 
 
 # ---------------------------------------------------------------- the original's two fixes, and the model's prediction
@@ -153,7 +153,7 @@ def test_recorded_lora_bug_is_consistent():
             # the stage count the record names is the one the solver gives for that problem, kernel and mode (0: none fits)
             cfg = repro.row_config(r)
             p = jit.example_problem(registry.spec_for(cfg), r["M"], r["N"], r["K"], r["R"])
-            solved = repro._main_stages(heuristics.bind(cfg, p), k=r["K"])[0]
+            solved = repro._main_stages(cfg.bind(p), k=r["K"])[0]
             if r.get("forced"):                      # a depth-sweep point: a stage count the solver's choice allows
                 assert 1 <= r["main_stages"] <= solved and "fixed_over_bug" not in r, (path.name, r)
             else:
@@ -225,19 +225,19 @@ def test_sweep_marks_lie_on_the_recorded_curves():
 
 def test_int4_pg_sweep_starts_at_two_stages():
     "The int4_pg mainloop holds two stages at once: one would deadlock, so the config refuses it and the sweep starts at 2."
-    assert sweep.min_stages(smem.HopperPgConfig()) == 2 and sweep.min_stages(smem.HopperV2Config()) == 1
+    assert sweep.min_stages(configs.HopperPgConfig()) == 2 and sweep.min_stages(configs.HopperV2Config()) == 1
     with pytest.raises(ValueError, match="stages=1: the hopper_pg K-loop holds 2 stages at once"):
-        smem.check_config(smem.HopperPgConfig(stages=1))
+        smem.check_config(configs.HopperPgConfig(stages=1))
     with pytest.raises(ValueError, match="max_stages=1"):
-        smem.check_config(smem.HopperPgConfig(max_stages=1))
+        smem.check_config(configs.HopperPgConfig(max_stages=1))
 
 
 def test_solver_marks_and_max_stages_take_configs():
     p = Problem(4352, 3072, 3840, 128)
-    assert sweep.solver_marks(smem.HopperV2Config(cluster_n=2), p) == {"per_cta": 3, "pair": 1}
-    assert sweep.solver_marks(smem.HopperV2Config(), p) == {"per_cta": 3, "pair": 3}      # one CTA: no pair, no bug
-    assert sweep.max_stages(smem.HopperV1Config(stages=2), p) == 5   # the top of the sweep, not the pinned count
-    assert sweep.SWEEP_CONFIGS == (smem.HopperV1Config(), smem.HopperV2Config())
+    assert sweep.solver_marks(configs.HopperV2Config(cluster_n=2), p) == {"per_cta": 3, "pair": 1}
+    assert sweep.solver_marks(configs.HopperV2Config(), p) == {"per_cta": 3, "pair": 3}      # one CTA: no pair, no bug
+    assert sweep.max_stages(configs.HopperV1Config(stages=2), p) == 5   # the top of the sweep, not the pinned count
+    assert sweep.SWEEP_CONFIGS == (configs.HopperV1Config(), configs.HopperV2Config())
 
 
 def test_curves_reject_duplicates():
@@ -367,11 +367,11 @@ def test_accounting_modes_match_reference():
     "The bug cannot fail a correctness test: v2 2-CTA at 1 stage (bug) and 3 stages (fix) both match the reference."
     from test_kernels import check_against_ref, make_case
     M, N, K, R = 300, 1024, 1024, 128
-    configs = {a: replace(repro.LORA_BUG_CONFIG, lora_accounting=a) for a in (repro.BUG, repro.FIX)}
-    stages = {a: smem.solve(heuristics.bind(c, Problem(M, N, K, R)), k=K).stages["main"] for a, c in configs.items()}
+    by_acct = {a: replace(repro.LORA_BUG_CONFIG, lora_accounting=a) for a in (repro.BUG, repro.FIX)}
+    stages = {a: smem.solve(c.bind(Problem(M, N, K, R)), k=K).stages["main"] for a, c in by_acct.items()}
     assert stages == {"per_cta": 3, "pair": 1}
     case = make_case(M, N, K, R, seed=6)
-    for acct, config in configs.items():
+    for acct, config in by_acct.items():
         out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
         gemm.gemm_w4a4(*case, config=config, out=out)
         torch.cuda.synchronize()

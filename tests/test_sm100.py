@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import w4a4_book.gemm as gemm
-import w4a4_book.heuristics as heuristics
 import w4a4_book.registry as registry
 import w4a4_book.smem as smem
+import w4a4_book.configs as configs
 from w4a4_book.checks import SM100_V1_CASES, SM100_V2_CASES
 from w4a4_book.formats import quantize
 from w4a4_book.operands import Problem, check_problem
@@ -23,12 +23,12 @@ v1 = pytest.importorskip("w4a4_book.kernels.sm100_v1")
 v2 = pytest.importorskip("w4a4_book.kernels.sm100_v2")
 
 
-def _cfg(cta_group=1, cls=smem.Sm100V1Config, **kw):
+def _cfg(cta_group=1, cls=configs.Sm100V1Config, **kw):
     return cls(cta_group=cta_group, tile_m=128 * cta_group, **kw)
 
 
 def _cfg2(cta_group=2, **kw):
-    return _cfg(cta_group, smem.Sm100V2Config, **kw)
+    return _cfg(cta_group, configs.Sm100V2Config, **kw)
 
 
 def _operands(M, N, K, R, seed=0, wcs=True, bias=True):
@@ -103,7 +103,7 @@ def test_config_errors_name_the_field():
         with pytest.raises(ValueError, match=f"{field}="):
             smem.check_config(_cfg(**kw))
     with pytest.raises(ValueError, match="tile_m=128"):
-        smem.check_config(smem.Sm100V1Config(cta_group=2))
+        smem.check_config(configs.Sm100V1Config(cta_group=2))
 
 
 # ---------------------------------------------------------------- compiled for sm_100a, in a subprocess
@@ -121,15 +121,15 @@ def _v2_config(cg, R, acct, tile_n, acc_stages):
 def reports():
     "One subprocess (CUTE_DSL_ARCH=sm_90a) compiles every config of `COMPILES` and `COMPILES_V2` for sm_100a on fake tensors."
     import os, pickle, tempfile
-    configs = [((cg, R, a), _cfg(cg, lora_accounting=a), R) for cg, R, a in COMPILES]
-    configs += [(("v2", *key), _v2_config(*key), key[1]) for key in COMPILES_V2]
+    cases = [((cg, R, a), _cfg(cg, lora_accounting=a), R) for cg, R, a in COMPILES]
+    cases += [(("v2", *key), _v2_config(*key), key[1]) for key in COMPILES_V2]
     code = ("import pickle, sys; import w4a4_book.jit as j, w4a4_book.registry as r; out = {}\n"
             "for key, c, R in pickle.load(open(sys.argv[1], 'rb')):\n"
             "    out[key] = j.compile_kernel(c, j.example_problem(r.spec_for(c), 4352, 3072, 3840, R))\n"
             "pickle.dump(out, open(sys.argv[2], 'wb'))")
     with tempfile.TemporaryDirectory() as d:
         src, dst = os.path.join(d, "in.pkl"), os.path.join(d, "out.pkl")
-        pickle.dump(configs, open(src, "wb"))
+        pickle.dump(cases, open(src, "wb"))
         r = subprocess.run([sys.executable, "-c", code, src, dst], capture_output=True, text=True,
                            env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
         assert r.returncode == 0, r.stderr[-4000:]
@@ -139,7 +139,7 @@ def reports():
 @pytest.mark.parametrize("cg, R, acct", COMPILES)
 def test_compiled_storage_equals_solver(reports, cg, R, acct):
     rep = reports[cg, R, acct]
-    want = smem.solve(heuristics.bind(_cfg(cg, lora_accounting=acct), rep.problem), k=rep.problem.K)
+    want = smem.solve(_cfg(cg, lora_accounting=acct).bind(rep.problem), k=rep.problem.K)
     assert rep.smem_bytes == want.allocated == rep.budget.allocated
     assert rep.budget.stages == want.stages
     if acct == "per_cta": assert want.total == want.allocated
@@ -241,8 +241,8 @@ def test_v2_solver_family_and_tmem():
     for R, per_cta, pair in [(32, 5, 4), (128, 3, 2)]:
         b = {a: smem.solve(_cfg2(lora_rank=R, lora_accounting=a)) for a in smem.LORA_ACCOUNTING}
         assert (b["per_cta"].stages["main"], b["pair"].stages["main"]) == (per_cta, pair)
-    assert smem.sm100_tmem_columns(_cfg2())["total"] == 256 + 16 + 32
-    assert smem.sm100_tmem_columns(_cfg2(tile_n=128, acc_stages=2))["total"] == 2 * 128 + 16 + 16
+    assert configs.sm100_tmem_columns(_cfg2())["total"] == 256 + 16 + 32
+    assert configs.sm100_tmem_columns(_cfg2(tile_n=128, acc_stages=2))["total"] == 2 * 128 + 16 + 16
     with pytest.raises(ValueError, match="^acc_stages=2: .* 560 TMEM columns > 512"):
         smem.check_config(_cfg2(acc_stages=2))
     with pytest.raises(ValueError, match="^acc_stages=3"):
@@ -275,7 +275,7 @@ def test_v2_scheduler_covers_every_tile_once():
 def test_v2_compiled_storage_equals_solver(reports, key):
     "The compiled SharedStorage is the solver's, in both LoRA accountings (pair: the charged total exceeds it)."
     rep = reports[("v2", *key)]
-    want = smem.solve(heuristics.bind(_v2_config(*key), rep.problem), k=rep.problem.K)
+    want = smem.solve(_v2_config(*key).bind(rep.problem), k=rep.problem.K)
     assert rep.smem_bytes == want.allocated == rep.budget.allocated
     assert rep.budget.stages == want.stages
     assert (want.total == want.allocated) == (key[2] == "per_cta" or key[1] == 0)
@@ -318,7 +318,7 @@ def test_v2_ptxas_where_available(reports, key):
 
 def test_v2_is_registered_opt_in():
     spec = registry.find_kernel("v2", "nvfp4", "sm_100a")
-    assert (spec.config, spec.cls, spec.mainloop) == (smem.Sm100V2Config, "W4A4GemmSm100V2", "block_scaled")
+    assert (spec.config, spec.cls, spec.mainloop) == (configs.Sm100V2Config, "W4A4GemmSm100V2", "block_scaled")
     assert all(arch != "sm_100a" for arch, _ in registry.DEFAULTS)
 
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from w4a4_book.smem import (ARCHS, CONFIGS, DTYPE_BITS, LORA_ACCOUNTING, family_of, BlackwellOrigConfig, HopperV1Config,
-                            Term, blackwell_orig_terms, budget_segments, check_config, explain, plot_budgets, solve,
-                            struct_layout)
+from w4a4_book.smem import (ARCHS, DTYPE_BITS, LORA_ACCOUNTING, family_of, BlackwellOrigConfig, Term,
+                            blackwell_orig_terms, budget_segments, check_config, plot_budgets, solve, struct_layout)
+from w4a4_book.configs import CONFIGS, HopperV1Config, explain
 
 
 def _budgets():

@@ -13,7 +13,7 @@ from w4a4_book.operands import Problem
 from w4a4_book.probes import clock, decode, host, ncu
 from w4a4_book.probes.__main__ import PROBES, main as probes_main, probe_parser
 from w4a4_book.records import data_dir, list_records, load_record, remeasure
-from w4a4_book.smem import HopperV1Config, HopperV2Config
+from w4a4_book.configs import HopperV1Config, HopperV2Config
 
 CSV = '''==PROF== Connected to process 1
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"

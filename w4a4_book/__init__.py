@@ -15,8 +15,8 @@ except _NotFound:            # a source tree that was never installed
     __version__ = "unknown"
 
 _PUBLIC = {"quantize": "formats", "dequantize": "formats", "QTensor": "formats", "w4a4_gemm_ref": "reference",
-           "Problem": "operands", "solve": "smem", "explain": "smem", "HopperV1Config": "smem",
-           "HopperV2Config": "smem", "gemm_w4a4": "gemm", "gemm_launcher": "gemm", "compile_kernel": "jit",
+           "Problem": "operands", "solve": "smem", "explain": "configs", "HopperV1Config": "configs",
+           "HopperV2Config": "configs", "gemm_w4a4": "gemm", "gemm_launcher": "gemm", "compile_kernel": "jit",
            "W4A4Linear": "layers",
            "quantize_model": "layers", "save_quantized": "layers", "load_quantized": "layers",
            "load_nunchaku": "nunchaku"}

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from . import smem, act_quant, jit, registry, gemm
+from . import configs, act_quant, jit, registry, gemm
 
 # %% auto #0
 __all__ = ['QUANT_CASES', 'SM100_V1_CASES', 'SM100_V2_CASES', 'PTX_SHAPE', 'SANITIZE_SHAPE', 'SANITIZERS', 'LAUNCH_TIMEOUT_S',
@@ -29,12 +29,15 @@ __all__ = ['QUANT_CASES', 'SM100_V1_CASES', 'SM100_V2_CASES', 'PTX_SHAPE', 'SANI
 # %% ../nbs/24_running.ipynb #6536c60d
 def gemm_cases() -> dict:
     "Every registered sm_90a kernel, one CTA and (where it takes one) a pair: `{name: (config, R)}`."
-    return {"v1 int4": (smem.HopperV1Config(), 32), "v1 int4 pair": (smem.HopperV1Config(cluster_n=2), 32),
-            "v2 int4": (smem.HopperV2Config(), 32), "v2 int4 pair": (smem.HopperV2Config(cluster_n=2), 128),
-            "v1 int4_pg": (smem.HopperPgV1Config(), 32), "v1 int4_pg pair": (smem.HopperPgV1Config(cluster_n=2), 32),
-            "v2 int4_pg": (smem.HopperPgConfig(), 32), "v2 int4_pg pair": (smem.HopperPgConfig(cluster_n=2), 128),
-            "v2 int4_pg lora ring": (smem.HopperPgConfig(tile_m=128, cluster_n=2, lora_stages=3, lora_chunk=64), 128),
-            "v2 int4_pg smem": (smem.HopperPgSmemConfig(), 32), "v2sk int4_pg": (smem.HopperPgStreamKConfig(), 32)}
+    return {"v1 int4": (configs.HopperV1Config(), 32), "v1 int4 pair": (configs.HopperV1Config(cluster_n=2), 32),
+            "v2 int4": (configs.HopperV2Config(), 32), "v2 int4 pair": (configs.HopperV2Config(cluster_n=2), 128),
+            "v1 int4_pg": (configs.HopperPgV1Config(), 32),
+            "v1 int4_pg pair": (configs.HopperPgV1Config(cluster_n=2), 32),
+            "v2 int4_pg": (configs.HopperPgConfig(), 32), "v2 int4_pg pair": (configs.HopperPgConfig(cluster_n=2), 128),
+            "v2 int4_pg lora ring":
+                (configs.HopperPgConfig(tile_m=128, cluster_n=2, lora_stages=3, lora_chunk=64), 128),
+            "v2 int4_pg smem": (configs.HopperPgSmemConfig(), 32),
+            "v2sk int4_pg": (configs.HopperPgStreamKConfig(), 32)}
 
 QUANT_CASES = ((128, True), (32, True), (0, False))          # (R, smooth) of each activation-kernel mode
 SM100_V1_CASES = ((1, 32, "per_cta"), (1, 0, "per_cta"), (2, 32, "per_cta"), (2, 32, "pair"), (2, 128, "pair"))
@@ -44,10 +47,11 @@ SM100_V2_CASES = ((2, 32, "per_cta", 256, 1), (2, 128, "pair", 256, 1), (2, 0, "
 def sm100_cases() -> dict:
     """The sm_100a kernels, v1 (`SM100_V1_CASES`: cta_group, R, accounting) and v2 (`SM100_V2_CASES`: the same, tile_n
     and acc_stages), one CTA and a pair, with and without LoRA, under both accountings: `{name: (config, R)}`."""
-    v1 = {f"sm100 v1 cta_group={g} R={R} {a}": (smem.Sm100V1Config(cta_group=g, tile_m=128 * g, lora_accounting=a), R)
+    v1 = {f"sm100 v1 cta_group={g} R={R} {a}":
+          (configs.Sm100V1Config(cta_group=g, tile_m=128 * g, lora_accounting=a), R)
           for g, R, a in SM100_V1_CASES}
     v2 = {f"sm100 v2 cta_group={g} R={R} {a} tile_n={n} acc_stages={s}":
-          (smem.Sm100V2Config(cta_group=g, tile_m=128 * g, lora_accounting=a, tile_n=n, acc_stages=s), R)
+          (configs.Sm100V2Config(cta_group=g, tile_m=128 * g, lora_accounting=a, tile_n=n, acc_stages=s), R)
           for g, R, a, n, s in SM100_V2_CASES}
     return {**v1, **v2}
 
@@ -94,7 +98,7 @@ ACTIVATION_CASES = {f"activation {fmt}": fmt for fmt in ("int4", "int4_pg", "int
 def refused_cases() -> dict:
     "Configs the library refuses because they failed on the GPU, launched past that guard only to locate the fault."
     return {f"refused v{v} int4 pair 64-row R={R}": (cfg(tile_m=64, cluster_n=2, lora_rank=R), R)
-            for v, cfg in ((1, smem.HopperV1Config), (2, smem.HopperV2Config)) for R in (32, 256)}
+            for v, cfg in ((1, configs.HopperV1Config), (2, configs.HopperV2Config)) for R in (32, 256)}
 
 def cases() -> list:
     "The names of what `sanitize` launches: every case of `gemm_cases`, then each activation format."

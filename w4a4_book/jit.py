@@ -15,10 +15,11 @@ from typing import Optional
 import torch
 
 import w4a4_book.smem as smem
+import w4a4_book.configs as configs
 import w4a4_book.operands as operands
 from .operands import Problem, fail
 from .cache import sm_count
-from .heuristics import DEFAULT_NUM_SMS, bind, cluster_size
+from .heuristics import DEFAULT_NUM_SMS, cluster_size
 from .registry import DEFAULT_FMT, REGISTRY, KernelSpec, default_config, find_kernel, spec_for
 
 # %% auto #0
@@ -36,7 +37,7 @@ def check(config, p: Problem) -> Problem:
 def build(config, p: Problem, num_sms: int = DEFAULT_NUM_SMS):
     "The kernel object of `config` for problem `p` (not yet compiled) and its budget."
     check(config, p)
-    budget = smem.solve(bind(config, p), k=p.K)
+    budget = smem.solve(config.bind(p), k=p.K)
     return spec_for(config).kernel_class()(budget, p, num_sms), budget
 
 # %% ../nbs/13f_jit.ipynb #b1dea5fb
@@ -83,7 +84,7 @@ class CompileReport:
         st = ", ".join(f"{k} {v}" for k, v in self.budget.stages.items() if v)
         lines = [f"{self.spec.name}: {self.smem_bytes} B shared memory ({st} stages), compiled in {self.seconds:.1f} s"]
         if self.arch.startswith("sm_100"):
-            t = smem.sm100_tmem_columns(self.config)
+            t = configs.sm100_tmem_columns(self.config)
             lines.append(f"  TMEM columns: {t['total']} used (accumulator {t['acc']}, scales {t['sfa']} + {t['sfb']}), "
                          f"{t['alloc']} allocated")
         lines += [f"  {k:16s} {v}" for k, v in self.instructions.items()]

@@ -11,6 +11,7 @@ from importlib import import_module
 from typing import Optional, Protocol, runtime_checkable
 
 import w4a4_book.smem as smem
+import w4a4_book.configs as configs
 from .operands import Problem, Requirements, fail
 from .heuristics import tile_choice
 
@@ -67,7 +68,10 @@ class KernelSpec:
 REGISTRY: dict = {}
 
 def register(spec: KernelSpec) -> KernelSpec:
-    "Add `spec` to the registry; its config class must carry budget rules (`smem.Family`) and name a row of its own."
+    """Add `spec` to the registry; its config class must be a `configs.KernelConfig` (its problem apart from its
+    tuning), carry budget rules (`smem.Family`) and name a row of its own."""
+    if not (isinstance(spec.config, type) and issubclass(spec.config, configs.KernelConfig)):
+        fail(TypeError, "config", f"{spec.config!r} is not a configs.KernelConfig (its problem apart from its tuning)")
     if not isinstance(getattr(spec.config, "rules", None), smem.Family):
         fail(TypeError, "config", f"{spec.config.__name__} carries no budget rules (`rules`, a smem.Family)")
     held = REGISTRY.get(spec.key)
@@ -77,25 +81,25 @@ def register(spec: KernelSpec) -> KernelSpec:
     REGISTRY[spec.key] = spec
     return spec
 
-register(KernelSpec(smem.HopperV1Config, "w4a4_book.kernels.sm90_v1", "W4A4GemmV1",
+register(KernelSpec(configs.HopperV1Config, "w4a4_book.kernels.sm90_v1", "W4A4GemmV1",
                     "one CTA per tile, every warp runs the same loop (chapter 4)"))
-register(KernelSpec(smem.HopperV2Config, "w4a4_book.kernels.sm90_v2", "W4A4GemmV2",
+register(KernelSpec(configs.HopperV2Config, "w4a4_book.kernels.sm90_v2", "W4A4GemmV2",
                     "FlashAttention-4's skeleton: warp roles, persistent, 2-CTA (chapter 5)"))
-register(KernelSpec(smem.HopperPgV1Config, "w4a4_book.kernels.pg_variants", "W4A4GemmPgV1",
+register(KernelSpec(configs.HopperPgV1Config, "w4a4_book.kernels.pg_variants", "W4A4GemmPgV1",
                     "v1 on the exact-integer mainloop: one CTA per tile, no load warp, MMA warp 0 refills the ring "
                     "(chapter 9)"))
-register(KernelSpec(smem.HopperPgConfig, "w4a4_book.kernels.sm90_pg", "W4A4GemmPg",
+register(KernelSpec(configs.HopperPgConfig, "w4a4_book.kernels.sm90_pg", "W4A4GemmPg",
                     "v2's skeleton, exact-integer mainloop: weights decoded into INT8 wgmma's A registers (chapter 9)"))
-register(KernelSpec(smem.HopperPgSmemConfig, "w4a4_book.kernels.pg_variants",
+register(KernelSpec(configs.HopperPgSmemConfig, "w4a4_book.kernels.pg_variants",
                     "W4A4GemmPgSmem",
                     "the same, with a decode warpgroup and a decoded ring in shared memory (chapter 9)"))
-register(KernelSpec(smem.HopperPgStreamKConfig, "w4a4_book.kernels.pg_variants",
+register(KernelSpec(configs.HopperPgStreamKConfig, "w4a4_book.kernels.pg_variants",
                     "W4A4GemmPgStreamK", "the register decode on a stream-K schedule, cut tiles fixed up in global "
                     "memory (chapter 9; opt-in: exact on the H200, not yet faster)"))
-register(KernelSpec(smem.Sm100V1Config, "w4a4_book.kernels.sm100_v1",
+register(KernelSpec(configs.Sm100V1Config, "w4a4_book.kernels.sm100_v1",
                     "W4A4GemmSm100V1", "sm_100 v1 and the naive pair (--cta-group 2): tcgen05 block-scaled NVFP4 MMA "
                     "(chapter 18a; compiled and checked, never run: opt-in, never a default)"))
-register(KernelSpec(smem.Sm100V2Config, "w4a4_book.kernels.sm100_v2",
+register(KernelSpec(configs.Sm100V2Config, "w4a4_book.kernels.sm100_v2",
                     "W4A4GemmSm100V2", "sm_100 v2: FlashAttention-4's sm100 skeleton, warp roles, persistent, "
                     "cta_group::2 pair tiles (chapter 18b; compiled and checked, never run: opt-in, never a default)"))
 

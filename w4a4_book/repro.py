@@ -11,6 +11,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 import w4a4_book.smem as smem
+import w4a4_book.configs as configs
 from . import records, heuristics, registry, gemm
 from .bench import report, timing, workloads
 
@@ -138,10 +139,11 @@ def summary() -> str:
 # %% ../nbs/07_lora_bug.ipynb #3946a5aa
 LORA_BUG_RANKS = (32, 64, 128, 256)   # every rank the kernels take; where a budget has no stage left the row says so
 LORA_BUG_PROBLEMS = tuple(workloads.bench_problems("m4352", ranks=LORA_BUG_RANKS))   # the benchmark layers at M=4352
-LORA_BUG_CONFIG = smem.HopperV2Config(cluster_n=2)   # int4 v2 as a 2-CTA pair, each CTA holding half of LU
+LORA_BUG_CONFIG = configs.HopperV2Config(cluster_n=2)   # int4 v2 as a 2-CTA pair, each CTA holding half of LU
 # the experiment's grid: every kernel with a pair to mis-charge. The exact-integer kernel at both of its tile heights
 # (128 is the one whose stages the bug moves; 256 is its default at R=32).
-LORA_BUG_CONFIGS = (LORA_BUG_CONFIG, smem.HopperPgConfig(cluster_n=2, tile_m=128), smem.HopperPgConfig(cluster_n=2))
+LORA_BUG_CONFIGS = (LORA_BUG_CONFIG, configs.HopperPgConfig(cluster_n=2, tile_m=128),
+                    configs.HopperPgConfig(cluster_n=2))
 PHANTOM = ("the historical charge (`pair`) bills each CTA of a 2-CTA pair for the pair's whole LoRA up-projection "
            "block (2·BN × R) although it holds only its own BN × R half; those phantom bytes are never allocated, "
            "they only shrink the main K-loop's stage count, which the fix (`per_cta`) gives back")
@@ -162,12 +164,12 @@ def row_config(row):
     ring = {k: row[k] for k in ("lora_stages", "lora_chunk") if k in row}
     return spec.config(cluster_n=row["cluster_n"], tile_m=row["tile_m"], lora_accounting=row["accounting"], **ring)
 
-def accounting_rows(ranks=LORA_BUG_RANKS, cluster_n=LORA_BUG_CONFIG.cluster_n, configs=LORA_BUG_CONFIGS):
-    """Main stages and bytes under the bug and the fix, for each Hopper pair kernel of `configs` with `cluster_n` CTAs
+def accounting_rows(ranks=LORA_BUG_RANKS, cluster_n=LORA_BUG_CONFIG.cluster_n, bases=LORA_BUG_CONFIGS):
+    """Main stages and bytes under the bug and the fix, for each Hopper pair kernel of `bases` with `cluster_n` CTAs
     at each rank."""
     _check_ranks(ranks)
     rows = []
-    for base in configs:
+    for base in bases:
         for r in ranks:
             cfg = replace(base, cluster_n=cluster_n, lora_rank=r)
             for acct in (BUG, FIX):
@@ -186,8 +188,8 @@ def accounting_rows(ranks=LORA_BUG_RANKS, cluster_n=LORA_BUG_CONFIG.cluster_n, c
 # %% ../nbs/07_lora_bug.ipynb #fa37b48d
 # the original's move: the fix keeps at least 4 main stages, the bug leaves at most 2
 MOVE_DEEP, MOVE_SHALLOW = 4, 2
-MOVE_FAMILIES = (smem.HopperV1Config, smem.HopperV2Config, smem.HopperPgV1Config, smem.HopperPgConfig,
-                 smem.HopperPgSmemConfig)
+MOVE_FAMILIES = (configs.HopperV1Config, configs.HopperV2Config, configs.HopperPgV1Config, configs.HopperPgConfig,
+                 configs.HopperPgSmemConfig)
 MOVE_CHUNKS = (None, 16, 32, 64, 128)   # LoRA chunks tried where a family streams its rank through a ring
 MOVE_LORA_STAGES = (1, 2, 3, 4)
 
@@ -203,7 +205,7 @@ def _candidates(ranks, lora_stages):
                           **({} if chunk is None else dict(lora_chunk=chunk)))
             except ValueError:
                 continue
-            key = (fam, tile_m, R, L, smem.lora_chunk_of(cfg) if chunk else R)
+            key = (fam, tile_m, R, L, configs.lora_chunk_of(cfg) if chunk else R)
             if key not in seen:
                 seen.add(key)
                 yield cfg
@@ -222,12 +224,13 @@ def find_moves(k: int = 3840, ranks=LORA_BUG_RANKS, lora_stages=MOVE_LORA_STAGES
         bug, _ = _main_stages(replace(cfg, lora_accounting=BUG), k=k)
         if fix >= MOVE_DEEP and bug <= MOVE_SHALLOW:
             rows.append(dict(config=config_label(cfg), tile_m=cfg.tile_m, R=cfg.lora_rank, lora_stages=cfg.lora_stages,
-                             lora_chunk=smem.lora_chunk_of(cfg) if hasattr(cfg, "lora_chunk") else cfg.lora_rank,
+                             lora_chunk=configs.lora_chunk_of(cfg) if hasattr(cfg, "lora_chunk") else cfg.lora_rank,
                              stages_per_cta=fix, stages_pair=bug,
                              bug_builds=bug >= smem.family_of(cfg).min_stages))
     return rows
 
-LORA_MOVE_CONFIG = smem.HopperPgConfig(tile_m=128, cluster_n=2, lora_stages=3, lora_chunk=64)   # the original's 4 -> 2
+# the original's 4 -> 2
+LORA_MOVE_CONFIG = configs.HopperPgConfig(tile_m=128, cluster_n=2, lora_stages=3, lora_chunk=64)
 LORA_MOVES = ((LORA_MOVE_CONFIG, (64, 128, 256)),)                 # R=64 whole, R=128 and 256 in chunks of 64 columns
 LORA_MOVE_PROBLEMS = tuple(dict.fromkeys(p for _, ranks in LORA_MOVES
                                          for p in workloads.bench_problems("m4352", ranks=ranks)))
@@ -280,7 +283,7 @@ def measure_lora_bug(problems=LORA_BUG_PROBLEMS, *, config=LORA_BUG_CONFIG, swee
     rows = []
     for M, N, K, R in problems:
         w = workloads.make_workload(M, N, K, R, fmt=keys["fmt"])
-        budgets = {a: _main_stages(heuristics.bind(replace(config, lora_accounting=a), w.problem), k=K)
+        budgets = {a: _main_stages(replace(config, lora_accounting=a).bind(w.problem), k=K)
                    for a in (BUG, FIX)}
         if budgets[FIX][0] == 0:
             if not quiet:
@@ -294,7 +297,7 @@ def measure_lora_bug(problems=LORA_BUG_PROBLEMS, *, config=LORA_BUG_CONFIG, swee
             if budgets[acct][0] == 0:            # the bug leaves no stage: the kernel cannot be built at all
                 out[acct] = dict(row, tflops=None, mfu=None, note=budgets[acct][1])
                 continue
-            budget = smem.solve(heuristics.bind(cfg, w.problem), k=K)     # the budget the launched kernel is built with
+            budget = smem.solve(cfg.bind(w.problem), k=K)     # the budget the launched kernel is built with
             out[acct] = dict(row, charged=budget.total, allocated=budget.allocated,
                              **_time_build(w, cfg, ref, gpu, iters, warmup))
         b, f = out[BUG], out[FIX]
@@ -446,15 +449,15 @@ def plot_moves(rows, path=None, title=None):
 # %% ../nbs/07_lora_bug.ipynb #7882ad64
 LADDER_PROBLEMS = tuple(workloads.bench_problems("m4352", ranks=(128,)))   # the rank at which the charge costs stages
 LADDER = {   # per format, the rungs of the story: (name, config); a None config is reported as not built
-    "int4": (("v1", smem.HopperV1Config()),
-             ("v1 naive pair, historical charge", smem.HopperV1Config(cluster_n=2, lora_accounting=BUG)),
-             ("v2", smem.HopperV2Config()),
+    "int4": (("v1", configs.HopperV1Config()),
+             ("v1 naive pair, historical charge", configs.HopperV1Config(cluster_n=2, lora_accounting=BUG)),
+             ("v2", configs.HopperV2Config()),
              ("v2 pair, historical charge", replace(LORA_BUG_CONFIG, lora_accounting=BUG)),
              ("v2 pair, fixed", LORA_BUG_CONFIG)),
-    "int4_pg": (("v1", smem.HopperPgV1Config(tile_m=128)),
+    "int4_pg": (("v1", configs.HopperPgV1Config(tile_m=128)),
                 ("v1 naive pair, historical charge",
-                 smem.HopperPgV1Config(tile_m=128, cluster_n=2, lora_accounting=BUG)),
-                ("v2", smem.HopperPgConfig(tile_m=128)),
+                 configs.HopperPgV1Config(tile_m=128, cluster_n=2, lora_accounting=BUG)),
+                ("v2", configs.HopperPgConfig(tile_m=128)),
                 ("v2 pair, historical charge", replace(LORA_BUG_CONFIGS[1], lora_accounting=BUG)),
                 ("v2 pair, fixed", LORA_BUG_CONFIGS[1])),
 }
@@ -474,7 +477,7 @@ def measure_ladder(fmt: str = "int4", problems=LADDER_PROBLEMS, *, iters=30, war
             if cfg is None:
                 rows.append({**row, "tflops": None, "note": f"no {rung.split()[0]} kernel computes {fmt} yet"})
                 continue
-            stages = smem.solve(heuristics.bind(cfg, w.problem), k=K).stages["main"]
+            stages = smem.solve(cfg.bind(w.problem), k=K).stages["main"]
             rows.append({**row, "config": config_label(cfg), "main_stages": stages,
                          **_time_build(w, cfg, ref, gpu, iters, warmup)})
             if not quiet:

@@ -4,14 +4,10 @@
 
 # %% auto #0
 __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALIGN', 'SWIZZLE_128B_ALIGN', 'DTYPE_BITS',
-           'STAGE_KINDS', 'LORA_ACCOUNTING', 'LA_AT_PAIR', 'LU_AT_PAIR', 'GROUP_SIZE', 'PG_GROUP', 'PG_LOOKUP_BYTES',
-           'SM100_EPI_TILE', 'PROMOTIONS', 'ABLATIONS', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'BUDGET_KINDS', 'CONFIGS',
-           'ArchFacts', 'Term', 'struct_layout', 'HopperV1Config', 'BlackwellOrigConfig', 'hopper_v1_terms',
-           'HopperV2Config', 'hopper_v2_terms', 'HopperPgConfig', 'lora_chunk_of', 'hopper_pg_terms',
-           'HopperPgSmemConfig', 'HopperPgV1Config', 'HopperPgStreamKConfig', 'hopper_pg_smem_terms',
-           'blackwell_orig_terms', 'Family', 'given_stages', 'family_of', 'Sm100V1Config', 'sm100_tmem_columns',
-           'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms', 'check_config', 'Budget', 'solve', 'budget_segments',
-           'plot_budgets', 'explain']
+           'STAGE_KINDS', 'LORA_ACCOUNTING', 'LA_AT_PAIR', 'LU_AT_PAIR', 'GROUP_SIZE', 'SM100_EPI_TILE', 'BUDGET_KINDS',
+           'ArchFacts', 'Term', 'round_up', 'struct_layout', 'BlackwellOrigConfig', 'blackwell_orig_terms', 'check_int',
+           'check_choice', 'Family', 'given_stages', 'family_of', 'check_config', 'Budget', 'solve', 'budget_segments',
+           'plot_budgets']
 
 # %% ../nbs/06_budget.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -78,7 +74,9 @@ class Term:
         return self.bytes * 8 // self.dtype_bits
 
 # %% ../nbs/06_budget.ipynb #c966ee52
-def _round_up(x: int, a: int) -> int: return -(-x // a) * a
+def round_up(x: int, a: int) -> int:
+    "`x` rounded up to a multiple of `a`."
+    return -(-x // a) * a
 
 def struct_layout(terms) -> tuple[dict, int]:
     "Field offsets and total size of the `cute.struct` declaring `terms` in order; 0-byte terms are not fields."
@@ -86,9 +84,9 @@ def struct_layout(terms) -> tuple[dict, int]:
     for t in terms:
         if not t.bytes: continue
         a = max(t.align, t.dtype_bits // 8)   # cute.struct aligns a MemRange to at least its element size
-        offsets[t.name] = _round_up(end, a)
+        offsets[t.name] = round_up(end, a)
         end, struct_align = offsets[t.name] + t.bytes, max(struct_align, a)
-    return offsets, _round_up(end, struct_align)
+    return offsets, round_up(end, struct_align)
 
 # %% ../nbs/06_budget.ipynb #68e3bd3f
 LORA_ACCOUNTING = ("per_cta", "pair", "pair_lu")
@@ -96,44 +94,13 @@ LA_AT_PAIR = ("pair",)               # the modes that charge a split LoRA activa
 LU_AT_PAIR = ("pair", "pair_lu")     # ... and those that charge a split up-projection block (LU) at the pair's width
 GROUP_SIZE = {"int4": 64, "nvfp4": 16}  # K elements per scale; must equal formats.GROUP_SIZE (tested)
 
-# %% ../nbs/06_budget.ipynb #16cb5c19
+# %% ../nbs/06_budget.ipynb #866a1986
 def _made(cfg) -> None:
     """What a config runs when it is made: `check_config`, defined below once every config has its rules, so a bad
     field is refused by name where it is written, not when the budget is solved."""
     check = globals().get("check_config")
     if check is not None and isinstance(getattr(cfg, "rules", None), Family): check(cfg)
 
-@dataclass(frozen=True)
-class HopperV1Config:
-    "Hopper v1: int4 tiles decoded to int8 in shared memory for wgmma; fp32 accumulator in registers."
-    tile_m: int = 128
-    tile_n: int = 128               # per CTA
-    tile_k: int = 128
-    cluster_n: int = 1              # 2: a pair along N sharing the activation tile by TMA multicast
-    lora_rank: int = 0
-    lora_stages: int = 1
-    decode_stages: int = 1
-    out_dtype: str = "bfloat16"
-    lora_dtype: str = "bfloat16"
-    scale_dtype: str = "float16"
-    epilogue: str = "tile"          # "tile": the output tile staged for one TMA store; "none": stored from registers
-    lora_accounting: str = "per_cta"
-    stages: int | None = None       # main stages; None: as many as fit
-    max_stages: int | None = None
-    arch: str = "sm_90"
-    fmt: str = "int4"
-    family: ClassVar[str] = "hopper_v1"
-    kernel: ClassVar[str] = "v1"        # the registry row this config describes (chapter 13)
-    mainloop: ClassVar[str] = "promote"
-
-    def __post_init__(self): _made(self)
-
-    @property
-    def label(self) -> str:
-        return (f"{self.family} {self.arch} {self.fmt} tile {self.tile_m}x{self.tile_n}x{self.tile_k} "
-                f"cluster_n={self.cluster_n} R={self.lora_rank} lora_accounting={self.lora_accounting}")
-
-# %% ../nbs/06_budget.ipynb #866a1986
 @dataclass(frozen=True)
 class BlackwellOrigConfig:
     "Model of the original sm_100 kernel (svdquant-kernels `kernel_v2_fa4.py`): NVFP4 tcgen05 MMA, TMEM accumulator."
@@ -159,199 +126,6 @@ class BlackwellOrigConfig:
         return (f"{self.family} {self.arch} {self.fmt} tile {self.tile_m}x{self.tile_n}x{self.tile_k} "
                 f"cta_group={self.cta_group} R={self.lora_rank} lora_stages={self.lora_stages} "
                 f"lora_accounting={self.lora_accounting}")
-
-# %% ../nbs/06_budget.ipynb #5be29601
-def hopper_v1_terms(cfg: HopperV1Config, stages: dict, accounting: str) -> list:
-    "The Hopper v1 SharedStorage, field by field in declaration order, at the given stage counts."
-    S, D, L = stages["main"], stages["decode"], stages["lora"]
-    BM, BN, BK, R, G = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.lora_rank, GROUP_SIZE[cfg.fmt]
-    sb, lb, ob = (DTYPE_BITS[d] // 8 for d in (cfg.scale_dtype, cfg.lora_dtype, cfg.out_dtype))
-    bar = lambda name, n, kind, why: Term(name, MBARRIER_BYTES * n, MBARRIER_BYTES, "int64", kind, why)
-    t = [bar("main_full", S, "main", "TMA transaction barrier: the stage's bytes have landed"),
-         bar("main_empty", S, "main", "consumers hand the stage back to the TMA producer")]
-    if R:
-        t += [bar("lora_full", L, "lora", "TMA transaction barrier for the LoRA blocks"),
-              bar("lora_empty", L, "lora", "consumers release the LoRA blocks")]
-    t += [Term("a_packed", S * BM * BK // 2, SWIZZLE_128B_ALIGN, "uint8", "main",
-               "int4 activations as TMA lands them, two per byte"),
-          Term("b_packed", S * BN * BK // 2, SWIZZLE_128B_ALIGN, "uint8", "main",
-               "int4 weights of this CTA's N columns"),
-          Term("a_scales", S * BK // G * BM * sb, TMA_SMEM_ALIGN, cfg.scale_dtype, "main",
-               "a scale per row and K group, one TMA box"),
-          Term("b_scales", S * BK // G * BN * sb, TMA_SMEM_ALIGN, cfg.scale_dtype, "main",
-               "a scale per column and K group, one TMA box"),
-          Term("a_decoded", D * BM * BK, SWIZZLE_128B_ALIGN, "int8", "decode",
-               "8-bit copy wgmma reads: sm_90 has no 4-bit MMA"),
-          Term("b_decoded", D * BN * BK, SWIZZLE_128B_ALIGN, "int8", "decode", "wgmma reads B only from shared memory")]
-    if R:
-        up_cols = BN * cfg.cluster_n if accounting in LU_AT_PAIR else BN
-        t += [Term("lora_act", L * BM * R * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
-                   "the tile's BM x R LoRA activation rows"),
-              Term("lora_up", L * up_cols * R * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
-                   "this CTA's BN x R up-projection rows" if up_cols == BN
-                   else "charged for the cluster's N columns: the historical bug")]
-    staged = cfg.epilogue == "tile"
-    t += [Term("affine", 0, 1, cfg.out_dtype, None, "wcscales and bias are read from global memory in the epilogue"),
-          Term("epilogue", BM * BN * ob if staged else 0, SWIZZLE_128B_ALIGN, cfg.out_dtype, None,
-               "the output tile staged for one TMA store" if staged else "stored straight from registers")]
-    return t
-
-# %% ../nbs/06_budget.ipynb #5edc5a67
-@dataclass(frozen=True)
-class HopperV2Config(HopperV1Config):
-    "Hopper v2: v1's buffers plus a decode ring between the decode warpgroup and the MMA warpgroups."
-    decode_stages: int = 2
-    promotion: str = "biased"       # mainloop option: "biased" (two FFMAs, no conversion) or "i2f" (v1's)
-    ablate: tuple = ()              # mainloop option, for measurements only: skip "decode" and/or "promote"
-    family: ClassVar[str] = "hopper_v2"
-    kernel: ClassVar[str] = "v2"
-
-def hopper_v2_terms(cfg: HopperV2Config, stages: dict, accounting: str) -> list:
-    "v1's SharedStorage plus the decode ring's barriers and each decoded stage's copy of the scales."
-    D, BM, BN, BK, G = stages["decode"], cfg.tile_m, cfg.tile_n, cfg.tile_k, GROUP_SIZE[cfg.fmt]
-    sb = DTYPE_BITS[cfg.scale_dtype] // 8
-    t = hopper_v1_terms(cfg, stages, accounting)
-    after = lambda name: next(i for i, x in enumerate(t) if x.name == name) + 1
-    t[after("main_empty"):after("main_empty")] = [
-        Term("dec_full", MBARRIER_BYTES * D, MBARRIER_BYTES, "int64", "decode",
-             "the decode warpgroup has filled a decoded stage"),
-        Term("dec_empty", MBARRIER_BYTES * D, MBARRIER_BYTES, "int64", "decode",
-             "the MMA warpgroups hand a decoded stage back")]
-    t[after("b_decoded"):after("b_decoded")] = [
-        Term("a_scales_dec", D * BK // G * BM * sb, TMA_SMEM_ALIGN, cfg.scale_dtype, "decode",
-             "the stage's row scales, copied so the packed stage frees early"),
-        Term("b_scales_dec", D * BK // G * BN * sb, TMA_SMEM_ALIGN, cfg.scale_dtype, "decode",
-             "the stage's column scales, likewise")]
-    return t
-
-# %% ../nbs/06_budget.ipynb #1ad7bb9b
-PG_GROUP = 64                   # int4_pg: one u per 64 values along K (formats.PG_GROUP)
-PG_LOOKUP_BYTES = 16 * 16       # the decode's tables (kernels.pg_decode.DECODE_LOOKUP): 16 bytes per 4-bit u
-
-@dataclass(frozen=True)
-class HopperPgConfig:
-    "Hopper v2 skeleton, exact-integer mainloop: int4_pg weights decoded into wgmma's A registers, int8 activations."
-    tile_m: int = 256               # activation rows of a tile: wgmma N
-    tile_n: int = 128               # weight rows of a tile, 64 per MMA warpgroup: wgmma M
-    tile_k: int = 128
-    cluster_n: int = 1              # 2: a pair along N sharing the activation tile and LoRA activations by multicast
-    lora_rank: int = 0
-    lora_stages: int = 1
-    # rank columns per LoRA stage: None, the whole rank; less, chunks streamed through the ring
-    lora_chunk: int | None = None
-    out_dtype: str = "bfloat16"
-    lora_dtype: str = "bfloat16"
-    scale_dtype: str = "uint8"      # the weights' u
-    epi_stages: int = 2             # output sub-tiles in flight per MMA warpgroup (a ring, stored by TMA)
-    epi_tile_m: int = 32            # activation rows of an output sub-tile (it has 64 weight rows)
-    # hold a tile's finished output in registers and store it while the next tile's first block runs
-    epi_deferred: bool = False
-    # the epilogue's bases, wcscales and bias: read from global, or staged in shared memory ("smem")
-    epi_vectors: str = "global"
-    lora_accounting: str = "per_cta"
-    stages: int | None = None
-    max_stages: int | None = None
-    arch: str = "sm_90"
-    fmt: str = "int4_pg"
-    family: ClassVar[str] = "hopper_pg"
-    kernel: ClassVar[str] = "v2"
-    mainloop: ClassVar[str] = "rs"
-
-    def __post_init__(self): _made(self)
-
-    @property
-    def label(self) -> str:
-        return (f"{self.family} {self.arch} {self.fmt} tile {self.tile_m}x{self.tile_n}x{self.tile_k} "
-                f"cluster_n={self.cluster_n} R={self.lora_rank} lora_accounting={self.lora_accounting}"
-                + (f" lora_chunk={self.lora_chunk}" if self.lora_chunk is not None else ""))
-
-# %% ../nbs/06_budget.ipynb #83d61924
-def lora_chunk_of(cfg) -> int:
-    "The rank columns one LoRA stage of `cfg` holds: `lora_chunk`, at most the rank; the whole rank when None."
-    return min(cfg.lora_chunk or cfg.lora_rank, cfg.lora_rank)
-
-# %% ../nbs/06_budget.ipynb #04b01f2e
-def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
-    "The exact-integer mainloop's SharedStorage, field by field in declaration order, at the given stage counts."
-    S, L = stages["main"], stages["lora"]
-    BM, BN, BK, R = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.lora_rank
-    lb, ob = DTYPE_BITS[cfg.lora_dtype] // 8, DTYPE_BITS[cfg.out_dtype] // 8
-    bar = lambda name, n, kind, why: Term(name, MBARRIER_BYTES * n, MBARRIER_BYTES, "int64", kind, why)
-    t = [bar("main_full", S, "main", "TMA transaction barrier: the stage's three boxes have landed"),
-         bar("main_empty", S, "main", "the MMA warpgroups (of both CTAs of a pair) hand the stage back")]
-    if R:
-        t += [bar("lora_full", L, "lora", "TMA transaction barrier for the LoRA blocks"),
-              bar("lora_empty", L, "lora", "the MMA warpgroups release the LoRA blocks")]
-    # NOTES: after the barriers, the tables sit in the padding before the first 1024-aligned buffer: they cost no byte
-    t.append(Term("decode_lookup", PG_LOOKUP_BYTES, 16, "uint32", None,
-                  "the decode's PRMT tables: for each u, 16 int8 q*u (two 8-byte tables), written once per CTA "
-                  "by thread 0"))
-    t += [Term("w_packed", S * BN * BK // 2, SWIZZLE_128B_ALIGN, "uint32", "main",
-               "int4 weights, 8 per word, in A-fragment order"),
-          Term("w_u", S * BN * (BK // PG_GROUP), TMA_SMEM_ALIGN, "uint32", "main",
-               "the weights' u, one byte per row and group"),
-          Term("act", S * BM * BK, SWIZZLE_128B_ALIGN, "int8", "main", "int8 q*u activations, wgmma's B operand")]
-    if R:
-        C = lora_chunk_of(cfg)                 # a LoRA stage holds C of the rank's columns
-        up_rows = BN * cfg.cluster_n if accounting in LU_AT_PAIR else BN
-        t += [Term("lora_act", L * BM * C * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
-                   "the tile's BM x C LoRA activation rows"),
-              Term("lora_up", L * up_rows * C * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
-                   "this CTA's BN x C up-projection rows" if up_rows == BN
-                   else "charged for the cluster's N rows: the historical bug")]
-    E = stages["epi"]
-    t.append(Term("epilogue", E * BN * cfg.epi_tile_m * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "epi",
-                  "per MMA warpgroup, a ring of 64 x epi_tile_m output sub-tiles, transposed by stmatrix, "
-                  "for the TMA store"))
-    if cfg.epi_vectors == "smem":   # last: its 16-byte alignment pads nothing after it
-        t.append(Term("vectors", 2 * (BM + 3 * (BN // 2)) * 4, 16, "float32", None,
-                      "per MMA warpgroup, the tile's BM base_a and its 64 columns' base_w, wcscales and bias in fp32, "
-                      "loaded before the K-loop and stored after it by the MMA warps"))
-    else:
-        t.append(Term("affine", 0, 1, cfg.out_dtype, None,
-                      "bases, wcscales and bias are read from global memory in the epilogue"))
-    return t
-
-# %% ../nbs/06_budget.ipynb #c99f940b
-@dataclass(frozen=True)
-class HopperPgSmemConfig(HopperPgConfig):
-    "The exact-integer mainloop with a decode warpgroup: int8 weights through a decoded ring in shared memory."
-    # 512 threads leave 128 registers a thread at launch: a 64×256 accumulator alone is 128
-    tile_m: int = 128
-    decode_stages: int = 2
-    family: ClassVar[str] = "hopper_pg_smem"
-    mainloop: ClassVar[str] = "smem"
-
-@dataclass(frozen=True)
-class HopperPgV1Config(HopperPgConfig):
-    """v1 on the exact-integer mainloop: one CTA (or one naive pair) per output tile, no load warp; MMA warp 0 also
-    keeps the ring full. Its shared memory is the register-decode kernel's, field for field."""
-    family: ClassVar[str] = "hopper_pg_v1"
-    kernel: ClassVar[str] = "v1"
-
-@dataclass(frozen=True)
-class HopperPgStreamKConfig(HopperPgConfig):
-    """The register-decode kernel on a stream-K schedule (`kernels.scheduler.StreamK`): the last rounds' tiles shared
-    out by K-blocks, their int32 partials fixed up through global memory. One CTA a cluster; the shared memory of the
-    register-decode kernel, field for field."""
-    epi_vectors: str = "smem"
-    family: ClassVar[str] = "hopper_pg_sk"
-    kernel: ClassVar[str] = "v2sk"
-
-def hopper_pg_smem_terms(cfg: HopperPgSmemConfig, stages: dict, accounting: str) -> list:
-    "The register-decode layout plus the decoded ring: its barriers and `decode_stages` int8 weight tiles."
-    D = stages["decode"]
-    t = hopper_pg_terms(cfg, stages, accounting)
-    after = lambda name: next(i for i, x in enumerate(t) if x.name == name) + 1
-    t[after("main_empty"):after("main_empty")] = [
-        Term("dec_full", MBARRIER_BYTES * D, MBARRIER_BYTES, "int64", "decode",
-             "the decode warpgroup has filled a decoded stage"),
-        Term("dec_empty", MBARRIER_BYTES * D, MBARRIER_BYTES, "int64", "decode",
-             "the MMA warpgroups hand a decoded stage back")]
-    t[after("act"):after("act")] = [
-        Term("w_decoded", D * cfg.tile_n * cfg.tile_k, SWIZZLE_128B_ALIGN, "int8", "decode",
-             "int8 q*u weights, wgmma's A operand")]
-    return t
 
 # %% ../nbs/06_budget.ipynb #2682fd44
 # compute_epilogue_tile_shape: 128-row CTA tile, 16-bit output, no C source (cutlass-dsl 4.3.5)
@@ -381,7 +155,7 @@ def blackwell_orig_terms(cfg: BlackwellOrigConfig, stages: dict, accounting: str
                "this CTA's share of B's columns"),
           Term("a_scales", S * BM * sf_k, SWIZZLE_128B_ALIGN, "float8_e4m3fn", "main",
                "an E4M3 per 16 K of this CTA's rows"),
-          Term("b_scales", S * _round_up(cfg.tile_n, 128) * sf_k, SWIZZLE_128B_ALIGN, "float8_e4m3fn", "main",
+          Term("b_scales", S * round_up(cfg.tile_n, 128) * sf_k, SWIZZLE_128B_ALIGN, "float8_e4m3fn", "main",
                "SFB for every column of the tile, in each CTA")]
     if R:
         la_pair, lu_pair = c > 1 and accounting in LA_AT_PAIR, c > 1 and accounting in LU_AT_PAIR
@@ -393,7 +167,8 @@ def blackwell_orig_terms(cfg: BlackwellOrigConfig, stages: dict, accounting: str
     return t
 
 # %% ../nbs/06_budget.ipynb #732ab649
-def _int(cfg, name, lo=1, hi=None, multiple=1, why=""):
+def check_int(cfg, name, lo=1, hi=None, multiple=1, why=""):
+    "Raise naming field `name` of `cfg` unless it is an int in [`lo`, `hi`], a multiple of `multiple` (`why`: why)."
     v = getattr(cfg, name)
     if not isinstance(v, int) or isinstance(v, bool): raise TypeError(f"{name} must be an int, got {v!r}")
     if v < lo or (hi is not None and v > hi) or v % multiple:
@@ -401,82 +176,23 @@ def _int(cfg, name, lo=1, hi=None, multiple=1, why=""):
                 + (f", a multiple of {multiple}" if multiple > 1 else ""))
         raise ValueError(f"{name}={v}: must be {rule}" + (f" ({why})" if why else ""))
 
-def _choice(cfg, name, allowed, why=""):
+def check_choice(cfg, name, allowed, why=""):
+    "Raise naming field `name` of `cfg` unless it is one of `allowed` (`why`: why)."
     v = getattr(cfg, name)
     if v not in allowed:
         raise ValueError(f"{name}={v!r}: must be one of {tuple(allowed)}" + (f" ({why})" if why else ""))
 
-# %% ../nbs/06_budget.ipynb #a0b3a27d
-def _check_hopper_v1(cfg):
-    _int(cfg, "tile_m", 64, 256, 64, "wgmma covers 64 rows per warpgroup; a TMA box has at most 256 rows")
-    _int(cfg, "tile_n", 8, 256, 8, "wgmma N is a multiple of 8 up to 256")
-    _int(cfg, "tile_k", GROUP_SIZE[cfg.fmt], multiple=GROUP_SIZE[cfg.fmt], why="a K tile holds whole scale groups")
-    _int(cfg, "cluster_n", 1, 2)
-    _int(cfg, "decode_stages")
-    _choice(cfg, "out_dtype", ("bfloat16", "float16", "float32"))
-    _choice(cfg, "lora_dtype", ("bfloat16", "float16"))
-    _choice(cfg, "scale_dtype", ("bfloat16", "float16"))
-    _choice(cfg, "epilogue", ("tile", "none"))
-
-PROMOTIONS = ("biased", "i2f")     # v2's promotion of a group's INT32 partial: chapter 5
-ABLATIONS = ("decode", "promote")   # v2's measurement-only ablations: the result is wrong on purpose
-
-def _check_hopper_v2(cfg):
-    _check_hopper_v1(cfg)
-    _choice(cfg, "promotion", PROMOTIONS)
-    if not isinstance(cfg.ablate, tuple) or not set(cfg.ablate) <= set(ABLATIONS):
-        raise ValueError(f"ablate={cfg.ablate!r}: must be a tuple of some of {ABLATIONS}")
-
-def _check_hopper_pg(cfg):
-    _int(cfg, "tile_m", 64, 256, 16, "INT8 wgmma's N, in whole 16-row output sub-tiles, up to 256 activation rows")
-    _int(cfg, "tile_n", 128, 128, why="two MMA warpgroups of 64 weight rows: the packed weight layout is per 128 rows")
-    _int(cfg, "tile_k", 128, 128, why="the packed weight layout is per 128 K")
-    _int(cfg, "cluster_n", 1, 2)
-    _int(cfg, "epi_tile_m", 16, cfg.tile_m, 16, "whole 16-row stmatrix blocks of the tile")
-    if cfg.tile_m % cfg.epi_tile_m:
-        raise ValueError(f"epi_tile_m={cfg.epi_tile_m}: must divide tile_m={cfg.tile_m}")
-    _int(cfg, "epi_stages", 1, cfg.tile_m // cfg.epi_tile_m,
-         why="at most the tile's sub-tiles: with all of them, no sub-tile waits for a buffer")
-    _choice(cfg, "out_dtype", ("bfloat16", "float16"))
-    _choice(cfg, "lora_dtype", ("bfloat16", "float16"))
-    _choice(cfg, "scale_dtype", ("uint8",))
-    _choice(cfg, "epi_deferred", (False, True))
-    _choice(cfg, "epi_vectors", ("smem", "global"))
-    if cfg.lora_chunk is not None:
-        _int(cfg, "lora_chunk", 16, 256, 16, "whole 16-deep MMAs of the LoRA product")
-        if cfg.lora_rank and cfg.lora_rank % lora_chunk_of(cfg):
-            raise ValueError(f"lora_chunk={cfg.lora_chunk}: must divide lora_rank={cfg.lora_rank} (or exceed it)")
-
 # %% ../nbs/06_budget.ipynb #b9a6cd8c
-def _check_hopper_pg_v1(cfg):
-    _check_hopper_pg(cfg)
-    _choice(cfg, "epi_deferred", (False,), "only the register-decode kernel on whole tiles holds a tile's output")
-    _int(cfg, "tile_m", 64, 256, 64, "v1 is verified on whole 64-row blocks of activations")
-    if lora_chunk_of(cfg) != cfg.lora_rank:
-        raise ValueError(f"lora_chunk={cfg.lora_chunk}: v1 loads a tile's LoRA blocks whole, before its K-loop")
-
-def _check_hopper_pg_sk(cfg):
-    _check_hopper_pg(cfg)
-    _choice(cfg, "epi_deferred", (False,), "only the register-decode kernel on whole tiles holds a tile's output")
-    _int(cfg, "cluster_n", 1, 1, why="the stream-K schedule runs one CTA a cluster (no pair shares its K-blocks)")
-
-def _check_hopper_pg_smem(cfg):
-    _check_hopper_pg(cfg)
-    _choice(cfg, "epi_deferred", (False,), "only the register-decode kernel on whole tiles holds a tile's output")
-    _int(cfg, "tile_m", 64, 128, 64,
-         "512 threads leave each 128 registers at launch, and a 64 x tile_m int32 accumulator takes tile_m / 2")
-    _int(cfg, "decode_stages", 1, 4)
-
 def _check_blackwell_orig(cfg):
-    _int(cfg, "cta_group", 1, 2)
-    _int(cfg, "tile_m", 128, 256, 128)
+    check_int(cfg, "cta_group", 1, 2)
+    check_int(cfg, "tile_m", 128, 256, 128)
     if cfg.tile_m != 128 * cfg.cta_group:
         raise ValueError(f"tile_m={cfg.tile_m}: must be 128 * cta_group = {128 * cfg.cta_group} "
                          "(each CTA owns 128 MMA rows)")
-    _int(cfg, "tile_n", 128, 256, 128, "the original's MMA N")
-    _int(cfg, "tile_k", 64, multiple=64, why="the NVFP4 MMA is 64 deep")
-    _int(cfg, "epi_stages")
-    _choice(cfg, "out_dtype", ("float16", "bfloat16"))
+    check_int(cfg, "tile_n", 128, 256, 128, "the original's MMA N")
+    check_int(cfg, "tile_k", 64, multiple=64, why="the NVFP4 MMA is 64 deep")
+    check_int(cfg, "epi_stages")
+    check_choice(cfg, "out_dtype", ("float16", "bfloat16"))
 
 # %% ../nbs/06_budget.ipynb #2e651ca7
 @dataclass(frozen=True)
@@ -497,118 +213,33 @@ def given_stages(cfg) -> dict:
     return dict(decode=getattr(cfg, "decode_stages", 0), lora=cfg.lora_stages if cfg.lora_rank else 0,
                 epi=getattr(cfg, "epi_stages", 0))
 
-HopperV1Config.rules = Family(hopper_v1_terms, _check_hopper_v1, given_stages, archs=("sm_90",), fmt="int4")
-HopperV2Config.rules = Family(hopper_v2_terms, _check_hopper_v2, given_stages, archs=("sm_90",), fmt="int4")
-# NOTES: the register-sourced mainloop decodes K-block k+1 while block k's wgmmas run, and frees k's stage only
-# once k+1's has landed: it holds two stages at once, so one stage would wait on itself forever.
-HopperPgConfig.rules = Family(hopper_pg_terms, _check_hopper_pg, given_stages, archs=("sm_90",), fmt="int4_pg",
-                              min_stages=2)
-HopperPgV1Config.rules = replace(HopperPgConfig.rules, check=_check_hopper_pg_v1)
-HopperPgStreamKConfig.rules = replace(HopperPgConfig.rules, check=_check_hopper_pg_sk)
-HopperPgSmemConfig.rules = Family(hopper_pg_smem_terms, _check_hopper_pg_smem, given_stages, archs=("sm_90",),
-                                  fmt="int4_pg")
 BlackwellOrigConfig.rules = Family(blackwell_orig_terms, _check_blackwell_orig, given_stages, archs=("sm_100",),
                                    fmt="nvfp4", fill="epi", accountings=LORA_ACCOUNTING)
 
 def family_of(cfg) -> Family:
     "The budget rules of config `cfg`, an instance or a class: its class's `rules`."
     fam = getattr(cfg, "rules", None)
-    if not isinstance(fam, Family):
+    # NOTES: read by its fields, not isinstance: the budget chapter's notebook defines its own `Family` beside
+    # the library's configs
+    if not all(hasattr(fam, name) for name in ("terms", "check", "given", "archs", "fmt")):
         name = cfg.__name__ if isinstance(cfg, type) else type(cfg).__name__
         raise TypeError(f"cfg must be a config whose class carries its budget rules (`rules`), got {name}")
     return fam
-
-# %% ../nbs/06_budget.ipynb #d4f9c8f5
-@dataclass(frozen=True)
-class Sm100V1Config(BlackwellOrigConfig):
-    """sm_100 v1 and the naive pair: the original's layout (`blackwell_orig_terms`) as a kernel's real budget; NVFP4
-    block-scaled `tcgen05` MMA, bf16 LoRA blocks pre-scaled by `1/(gs_a·gs_w)`, a fixed epilogue ring."""
-    tile_m: int = 128               # MMA M: 128 rows per CTA, times cta_group
-    tile_n: int = 256               # MMA N: the tile's columns, split over the pair when cta_group=2
-    cta_group: int = 1              # 2: the naive pair, one MMA spanning two CTAs
-    epi_stages: int = 2             # fixed: the kernel's TMA-store ring (no fill)
-    out_dtype: str = "bfloat16"
-    lora_dtype: str = "bfloat16"    # bf16 only: the pre-scaled LoRA up-projection needs bf16's range
-    scale_dtype: str = "float8_e4m3fn"
-    family: ClassVar[str] = "sm100_v1"
-    kernel: ClassVar[str] = "v1"
-    mainloop: ClassVar[str] = "block_scaled"
-
-TMEM_COLUMNS = 512          # tensor memory per SM: 128 lanes x 512 32-bit columns
-SF_ATOM_MN = 32             # a scale-factor atom's rows per TMEM column group (tcgen05.cp 4x32x128b)
-
-def sm100_tmem_columns(cfg) -> dict:
-    """TMEM columns of one CTA: fp32 accumulator(s), then SFA and SFB of one K-block; `alloc` is the power of two
-    allocated."""
-    bm, k_atoms = cfg.tile_m // cfg.cta_group, cfg.tile_k // (4 * GROUP_SIZE[cfg.fmt])
-    cols = dict(acc=cfg.tile_n * getattr(cfg, "acc_stages", 1), sfa=bm // SF_ATOM_MN * k_atoms,
-                sfb=_round_up(cfg.tile_n, 128) // SF_ATOM_MN * k_atoms)
-    cols["total"] = sum(cols.values())
-    cols["alloc"] = next(c for c in (32, 64, 128, 256, 512, 1 << 30) if c >= cols["total"])
-    return cols
-
-def sm100_terms(cfg: Sm100V1Config, stages: dict, accounting: str) -> list:
-    "The sm_100 kernels' SharedStorage: the original's layout, with the LoRA blocks in `cfg.lora_dtype`."
-    lora = ("lora_act", "lora_up")
-    return [replace(t, dtype=cfg.lora_dtype) if t.name in lora else t
-            for t in blackwell_orig_terms(cfg, stages, accounting)]
-
-def _check_sm100(cfg):
-    _check_blackwell_orig(cfg)
-    if cfg.lora_rank:
-        _choice(cfg, "lora_dtype", ("bfloat16",),
-                "the LoRA up-projection is pre-scaled by 1/(gs_a*gs_w), out of fp16's range")
-    _choice(cfg, "scale_dtype", ("float8_e4m3fn",), "NVFP4's block scales")
-    _int(cfg, "epi_stages", 1, 4)
-    _int(cfg, "lora_stages", 1, 1, why="the LoRA blocks are loaded once per tile")
-    cols = sm100_tmem_columns(cfg)
-    if cols["alloc"] > TMEM_COLUMNS:
-        raise ValueError(f"tile_n={cfg.tile_n}: needs {cols['total']} TMEM columns > {TMEM_COLUMNS}")
-
-Sm100V1Config.rules = replace(BlackwellOrigConfig.rules, terms=sm100_terms, check=_check_sm100, fill=None)
-
-# %% ../nbs/06_budget.ipynb #8aaa7b57
-@dataclass(frozen=True)
-class Sm100V2Config(Sm100V1Config):
-    """sm_100 v2: warp-specialised and persistent, `cta_group=2` pair tiles of 256x256 by default; v1's shared-memory
-    layout (`sm100_terms`) with one full and one empty barrier per TMEM accumulator stage (`acc_stages`)."""
-    tile_m: int = 256               # the pair's MMA M
-    cta_group: int = 2
-    acc_stages: int = 1             # TMEM accumulators: two of 256 columns would leave none for the scales
-    family: ClassVar[str] = "sm100_v2"
-    kernel: ClassVar[str] = "v2"
-
-def sm100_v2_terms(cfg: Sm100V2Config, stages: dict, accounting: str) -> list:
-    "v2's SharedStorage: `sm100_terms` with `acc_stages` accumulator barriers each way."
-    acc = ("acc_full", "acc_empty")
-    return [replace(t, bytes=MBARRIER_BYTES * cfg.acc_stages) if t.name in acc else t
-            for t in sm100_terms(cfg, stages, accounting)]
-
-def _check_sm100_v2(cfg):
-    _int(cfg, "acc_stages", 1, 2)
-    cols = sm100_tmem_columns(cfg)
-    if cols["total"] > TMEM_COLUMNS:
-        raise ValueError(f"acc_stages={cfg.acc_stages}: {cfg.acc_stages} accumulators of tile_n={cfg.tile_n} columns "
-                         f"and {cols['sfa'] + cols['sfb']} of scales need {cols['total']} TMEM columns "
-                         f"> {TMEM_COLUMNS}")
-    _check_sm100(cfg)
-
-Sm100V2Config.rules = replace(Sm100V1Config.rules, terms=sm100_v2_terms, check=_check_sm100_v2)
 
 # %% ../nbs/06_budget.ipynb #dc89eb3d
 def check_config(cfg) -> None:
     "Raise `ValueError`/`TypeError` naming the first field of `cfg` the kernels cannot build."
     fam = family_of(cfg)
-    _choice(cfg, "arch", ARCHS)
-    _choice(cfg, "arch", fam.archs, f"the {cfg.family} family")
-    _choice(cfg, "fmt", (fam.fmt,), f"the {cfg.family} family")
-    _choice(cfg, "lora_accounting", LORA_ACCOUNTING)
-    _choice(cfg, "lora_accounting", fam.accountings,
-            f"a {cfg.family} pair splits only LU, which 'pair' already charges whole")
-    _int(cfg, "lora_rank", lo=0, multiple=16, why="a 16-bit MMA is 16 deep")
-    _int(cfg, "lora_stages")
+    check_choice(cfg, "arch", ARCHS)
+    check_choice(cfg, "arch", fam.archs, f"the {cfg.family} family")
+    check_choice(cfg, "fmt", (fam.fmt,), f"the {cfg.family} family")
+    check_choice(cfg, "lora_accounting", LORA_ACCOUNTING)
+    check_choice(cfg, "lora_accounting", fam.accountings,
+                 f"a {cfg.family} pair splits only LU, which 'pair' already charges whole")
+    check_int(cfg, "lora_rank", lo=0, multiple=16, why="a 16-bit MMA is 16 deep")
+    check_int(cfg, "lora_stages")
     for name in ("stages", "max_stages"):
-        if getattr(cfg, name) is not None: _int(cfg, name)
+        if getattr(cfg, name) is not None: check_int(cfg, name)
     for name in ("stages", "max_stages"):
         if (getattr(cfg, name) or fam.min_stages) < fam.min_stages:
             raise ValueError(f"{name}={getattr(cfg, name)}: the {cfg.family} K-loop holds {fam.min_stages} stages "
@@ -759,33 +390,3 @@ def plot_budgets(budgets: dict, title=None, path=None):
     fig.tight_layout()
     if path is not None: fig.savefig(path)
     return fig
-
-# %% ../nbs/06_budget.ipynb #9af1888f
-CONFIGS = {
-    "v1": HopperV1Config(),
-    "v1-r32": HopperV1Config(lora_rank=32),
-    "v1-r128": HopperV1Config(lora_rank=128),
-    "v1-2cta-r32": HopperV1Config(cluster_n=2, lora_rank=32),
-    "v1-2cta-r128": HopperV1Config(cluster_n=2, lora_rank=128),
-    "v2-r32": HopperV2Config(lora_rank=32),
-    "v2-r128": HopperV2Config(lora_rank=128),
-    "v2-2cta-r32": HopperV2Config(cluster_n=2, lora_rank=32),
-    "v2-2cta-r128": HopperV2Config(cluster_n=2, lora_rank=128),
-    "pg-r32": HopperPgConfig(lora_rank=32),
-    "pg-r128": HopperPgConfig(lora_rank=128),
-    "pg-2cta-r32": HopperPgConfig(cluster_n=2, lora_rank=32),
-    "pg-2cta-r128": HopperPgConfig(cluster_n=2, lora_rank=128),
-    "pg-smem-r32": HopperPgSmemConfig(lora_rank=32),
-    "orig-256x256-r32": BlackwellOrigConfig(lora_rank=32),
-    "orig-256x256-r128": BlackwellOrigConfig(lora_rank=128),
-    "orig-256x128-r128": BlackwellOrigConfig(tile_n=128, lora_rank=128),
-    "orig-256x128-r128-l2": BlackwellOrigConfig(tile_n=128, lora_rank=128, lora_stages=2),
-}
-
-# %% ../nbs/06_budget.ipynb #741be03b
-def explain(cfg, *, k: int | None = None) -> str:
-    "The budget table for `cfg`: a config, or a name in `CONFIGS`."
-    if isinstance(cfg, str):
-        if cfg not in CONFIGS: raise ValueError(f"cfg={cfg!r}: not one of {sorted(CONFIGS)}")
-        cfg = CONFIGS[cfg]
-    return str(solve(cfg, k=k))

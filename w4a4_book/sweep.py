@@ -10,6 +10,7 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 import w4a4_book.smem as smem
+import w4a4_book.configs as configs
 from . import records, heuristics, jit, registry, gemm
 from .operands import Problem
 from .bench import report, timing, workloads
@@ -17,12 +18,12 @@ from .bench import report, timing, workloads
 # %% ../nbs/08_pipeline_depth.ipynb #acb5dc92
 SWEEP_PROBLEMS = ((4352, 3072, 3840, 128), (8192, 8192, 8192, 32))   # large LoRA blocks; small ones and a long K
 
-SWEEP_CONFIGS = (smem.HopperV1Config(), smem.HopperV2Config())   # the kernels swept by default, one CTA each
+SWEEP_CONFIGS = (configs.HopperV1Config(), configs.HopperV2Config())   # the kernels swept by default, one CTA each
 
 def max_stages(config, problem: Problem) -> int:
     """The most main stages that fit for the kernel of `config` on `problem`: the solver's pick, under `config`'s
     accounting (`per_cta` by default)."""
-    return smem.solve(heuristics.bind(replace(config, stages=None), problem), k=problem.K).stages["main"]
+    return smem.solve(replace(config, stages=None).bind(problem), k=problem.K).stages["main"]
 
 def min_stages(config) -> int:
     """The fewest main stages the kernel of `config` runs with: where a sweep starts (two for the int4_pg mainloop, else

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .. import smem, heuristics, jit, registry, gemm
+from .. import smem, configs, heuristics, jit, registry, gemm
 from ..records import check_output_path, data_dir, list_records, load_record, markdown_table, provenance, save_record
 from .layer import layer_paths
 from .report import record_line
@@ -41,7 +41,7 @@ def tile_count(config, M: int, N: int) -> int:
 
 def main_stages(config, M: int, N: int, K: int, R: int) -> int:
     "The main K-loop stages the budget leaves `config` at `M`×`N`×`K`, rank `R`; ValueError where none fits."
-    return smem.solve(heuristics.bind(config, int4_pg_problem(M, N, K, R)), k=K).stages["main"]
+    return smem.solve(config.bind(int4_pg_problem(M, N, K, R)), k=K).stages["main"]
 
 # %% ../../nbs/20f_bench_variants.ipynb #4988b4db
 @dataclass(frozen=True)
@@ -61,8 +61,8 @@ def _stream_k_configs(M, N, K, R) -> dict:
     "The library's tile, the 256-row one, and stream-K on each (`w4a4_pg_sk`: 256 rows; `w4a4_pg_sk_lib`)."
     lib = library_config(M, N, K, R)
     same = {f: getattr(lib, f) for f in ("tile_m", "epi_tile_m", "epi_stages", "epi_vectors")}
-    return dict(w4a4_pg=lib, w4a4_pg_256=smem.HopperPgConfig(tile_m=256, epi_vectors="smem"),
-                w4a4_pg_sk=smem.HopperPgStreamKConfig(), w4a4_pg_sk_lib=smem.HopperPgStreamKConfig(**same))
+    return dict(w4a4_pg=lib, w4a4_pg_256=configs.HopperPgConfig(tile_m=256, epi_vectors="smem"),
+                w4a4_pg_sk=configs.HopperPgStreamKConfig(), w4a4_pg_sk_lib=configs.HopperPgStreamKConfig(**same))
 
 # tile_m, epi_tile_m, epi_stages: the output rings `epilogue` times where the grid takes the library tile's rounds
 RINGS = ((224, 32, 2), (224, 112, 1), (224, 112, 2), (208, 16, 4), (256, 32, 2), (256, 64, 2), (256, 128, 1),
@@ -104,7 +104,7 @@ def stream_k_layer_rows(variant: Variant, rank: int, iters: int) -> list:
         paths, _ = layer_paths(M, K, N, rank)
         pg, x = _layer_and_input(paths["w4a4_pg"])
         sk = copy.deepcopy(pg)
-        sk.kernel_config = smem.HopperPgStreamKConfig()
+        sk.kernel_config = configs.HopperPgStreamKConfig()
         y_lib, y_sk = pg(x).clone(), sk(x).clone()
         calls = dict(torch_bf16=paths["torch_bf16"], torch_fp8_compiled=paths["torch_fp8_compiled"],
                      w4a4_pg=lambda: pg(x), w4a4_pg_stream_k=lambda: sk(x))

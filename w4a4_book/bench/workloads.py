@@ -17,7 +17,7 @@ from .. import heuristics, registry, gemm
 from ..formats import INT_FORMATS, K_MULTIPLE, QTensor, check_fmt, decode_table, dequantize, quantize
 from ..operands import LORA_RANK_MULTIPLE, LOW_PRECISION, Problem, check_gemm_operands, check_int32_sum
 from ..reference import w4a4_gemm_dequant
-from ..smem import HopperV1Config, HopperV2Config
+from ..configs import HopperV1Config, HopperV2Config
 from .timing import check_timing, mfu, peak_for, rel_err, require_cuda, tflops, time_cuda
 
 # %% auto #0
@@ -178,7 +178,7 @@ class Method:
     build: Callable[[Workload], Callable[[], torch.Tensor]]
     kernel: bool = False   # one of this book's kernels: `--check` holds it to its recorded MFU floor
     checked: bool = True   # compare its output with the reference (False: it computes something else on purpose)
-    # a kernel's frozen config (`smem.HopperV2Config(...)`) or a `KernelRef`; None for the other paths
+    # a kernel's frozen config (`configs.HopperV2Config(...)`) or a `KernelRef`; None for the other paths
     config: object = None
     fmts: tuple | None = None   # the workload formats (`WORKLOAD_FORMATS`) it runs on; None: all of them
 

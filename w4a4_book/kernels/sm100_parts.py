@@ -24,7 +24,7 @@ from cutlass.pipeline import pipeline_init_arrive
 from fastcore.basics import patch
 import w4a4_book.formats as formats
 import w4a4_book.operands as operands
-import w4a4_book.smem as smem
+import w4a4_book.configs as configs
 # absolute imports: CuTe DSL re-executes this module's imports when it traces a kernel
 import w4a4_book.kernels.sm90_parts as parts
 
@@ -191,7 +191,7 @@ class Sm100GemmBase:
         self.acc_stages = getattr(c, "acc_stages", 1)                           # v1's family: one accumulator
         self.k_tiles = problem.K // c.tile_k
         self.has_scale, self.has_bias = problem.has_scale, problem.has_bias
-        self.tmem_cols = smem.sm100_tmem_columns(c)
+        self.tmem_cols = configs.sm100_tmem_columns(c)
         self.num_sms = num_sms
 
     @classmethod

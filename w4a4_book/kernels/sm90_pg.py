@@ -20,7 +20,7 @@ from cutlass.cute.nvgpu import warpgroup as wg_ops
 import cuda.bindings.driver as cuda
 from fastcore.basics import patch
 import w4a4_book.operands as operands
-import w4a4_book.smem as smem
+import w4a4_book.configs as configs
 from ..cache import constant, stream_workspace
 import w4a4_book.kernels.sm90_parts as parts
 from .sm90_parts import WarpRoles, kernel_bundle, tma_split
@@ -129,7 +129,7 @@ class W4A4GemmPg:
         self.bm, self.bn, self.bk = c.tile_m, c.tile_n, c.tile_k
         self.stages, self.lstages, self.estages = budget.stages["main"], budget.stages["lora"], budget.stages["epi"]
         self.lora_rank, self.cluster_n = c.lora_rank, c.cluster_n
-        self.lora_chunk = smem.lora_chunk_of(c)          # rank columns per LoRA stage
+        self.lora_chunk = configs.lora_chunk_of(c)          # rank columns per LoRA stage
         self.lora_chunks = c.lora_rank // self.lora_chunk if c.lora_rank else 0   # LoRA stages a tile streams
         self.has_scale, self.has_bias = problem.has_scale, problem.has_bias
         self.epi_vectors = c.epi_vectors
