@@ -19,9 +19,9 @@ from pathlib import Path
 
 # %% auto #0
 __all__ = ['REQUIRED_PROVENANCE', 'RECORD_SUFFIXES', 'COMMIT_ENV', 'PACKAGED_RECORDS', 'FMT_DEFAULT_WAS', 'MOVED_COMMANDS',
-           'CITATIONS', 'validate', 'provenance', 'check_output_path', 'save_record', 'load_record', 'data_dir',
-           'list_records', 'load_rows', 'remeasure', 'commit_reachable', 'unverifiable', 'source_title', 'citations',
-           'markdown_table']
+           'CITATIONS', 'validate', 'provenance', 'check_output_path', 'record_json', 'save_record', 'load_record',
+           'data_dir', 'list_records', 'load_rows', 'remeasure', 'commit_reachable', 'unverifiable', 'source_title',
+           'citations', 'markdown_table']
 
 # %% ../nbs/22_records.ipynb #4a18b05e
 REQUIRED_PROVENANCE = ("gpu", "driver", "torch", "cutlass_dsl", "commit", "date", "shapes", "command")
@@ -146,6 +146,12 @@ def check_output_path(path, arg: str = "path") -> Path:
         raise ValueError(f"{arg}: cannot write in {folder} ({e.strerror or e})") from None
     return path
 
+def record_json(provenance: dict, rows: list) -> str:
+    "A JSON record's text: its provenance indented, then one row a line (a re-measured row is a one-line diff)."
+    head = json.dumps({"provenance": provenance}, indent=1)[:-2]
+    body = ",\n".join("  " + json.dumps(r) for r in rows)
+    return head + ',\n "rows": [\n' + body + ("\n ]" if rows else "]") + "\n}\n"
+
 def save_record(path, provenance: dict, rows: list) -> Path:
     "Validate `provenance` and `rows`, then write them to `path` (`.json` or `.csv`; missing folders are made)."
     path = _check_path(path)
@@ -157,7 +163,7 @@ def save_record(path, provenance: dict, rows: list) -> Path:
         raise ValueError(f"path: cannot make the folder {path.parent} ({e.strerror or e})") from None
     check_output_path(path)
     if path.suffix == ".json":
-        path.write_text(json.dumps({"provenance": provenance, "rows": rows}, indent=1) + "\n", encoding="utf-8")
+        path.write_text(record_json(provenance, rows), encoding="utf-8")
     else:
         cols = list(dict.fromkeys(k for r in rows for k in r))
         buf = io.StringIO()
