@@ -4,9 +4,10 @@
 
 # %% auto #0
 __all__ = ['PROMOTIONS', 'ABLATIONS', 'PG_GROUP', 'PG_LOOKUP_BYTES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS', 'KernelConfig',
-           'HopperV1Config', 'hopper_v1_terms', 'HopperV2Config', 'hopper_v2_terms', 'HopperPgConfig', 'lora_chunk_of',
-           'hopper_pg_terms', 'HopperPgSmemConfig', 'HopperPgV1Config', 'HopperPgStreamKConfig', 'hopper_pg_smem_terms',
-           'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms', 'Sm100V2Config', 'sm100_v2_terms', 'explain']
+           'HopperV1Config', 'hopper_v1_terms', 'HopperV2Config', 'decode_ring_barriers', 'hopper_v2_terms',
+           'HopperPgConfig', 'lora_chunk_of', 'hopper_pg_terms', 'HopperPgSmemConfig', 'HopperPgV1Config',
+           'HopperPgStreamKConfig', 'hopper_pg_smem_terms', 'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms',
+           'Sm100V2Config', 'sm100_v2_terms', 'explain']
 
 # %% ../nbs/12a_configs.ipynb #633133ec
 from dataclasses import dataclass, fields, replace
@@ -145,17 +146,20 @@ class HopperV2Config(HopperV1Config):
     kernel: ClassVar[str] = "v2"
 
 # %% ../nbs/12a_configs.ipynb #9f6192a2
+def decode_ring_barriers(stages: int) -> list:
+    "The decode ring's two barrier arrays, one barrier a stage each way: the Terms of every layout with a decoded ring."
+    return [Term("dec_full", MBARRIER_BYTES * stages, MBARRIER_BYTES, "int64", "decode",
+                 "the decode warpgroup has filled a decoded stage"),
+            Term("dec_empty", MBARRIER_BYTES * stages, MBARRIER_BYTES, "int64", "decode",
+                 "the MMA warpgroups hand a decoded stage back")]
+
 def hopper_v2_terms(cfg: HopperV2Config, stages: dict, accounting: str) -> list:
     "v1's SharedStorage plus the decode ring's barriers and each decoded stage's copy of the scales."
     D, BM, BN, BK, G = stages["decode"], cfg.tile_m, cfg.tile_n, cfg.tile_k, GROUP_SIZE[cfg.fmt]
     sb = DTYPE_BITS[cfg.scale_dtype] // 8
     t = hopper_v1_terms(cfg, stages, accounting)
     after = lambda name: next(i for i, x in enumerate(t) if x.name == name) + 1
-    t[after("main_empty"):after("main_empty")] = [
-        Term("dec_full", MBARRIER_BYTES * D, MBARRIER_BYTES, "int64", "decode",
-             "the decode warpgroup has filled a decoded stage"),
-        Term("dec_empty", MBARRIER_BYTES * D, MBARRIER_BYTES, "int64", "decode",
-             "the MMA warpgroups hand a decoded stage back")]
+    t[after("main_empty"):after("main_empty")] = decode_ring_barriers(D)
     t[after("b_decoded"):after("b_decoded")] = [
         Term("a_scales_dec", D * BK // G * BM * sb, TMA_SMEM_ALIGN, cfg.scale_dtype, "decode",
              "the stage's row scales, copied so the packed stage frees early"),
@@ -320,11 +324,7 @@ def hopper_pg_smem_terms(cfg: HopperPgSmemConfig, stages: dict, accounting: str)
     D = stages["decode"]
     t = hopper_pg_terms(cfg, stages, accounting)
     after = lambda name: next(i for i, x in enumerate(t) if x.name == name) + 1
-    t[after("main_empty"):after("main_empty")] = [
-        Term("dec_full", MBARRIER_BYTES * D, MBARRIER_BYTES, "int64", "decode",
-             "the decode warpgroup has filled a decoded stage"),
-        Term("dec_empty", MBARRIER_BYTES * D, MBARRIER_BYTES, "int64", "decode",
-             "the MMA warpgroups hand a decoded stage back")]
+    t[after("main_empty"):after("main_empty")] = decode_ring_barriers(D)
     t[after("act"):after("act")] = [
         Term("w_decoded", D * cfg.tile_n * cfg.tile_k, SWIZZLE_128B_ALIGN, "int8", "decode",
              "int8 q*u weights, wgmma's A operand")]
