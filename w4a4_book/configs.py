@@ -91,12 +91,11 @@ def hopper_v1_terms(cfg: HopperV1Config, stages: dict, accounting: str) -> list:
     S, D, L = stages["main"], stages["decode"], stages["lora"]
     BM, BN, BK, R, G = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.lora_rank, GROUP_SIZE[cfg.fmt]
     sb, lb, ob = (DTYPE_BITS[d] // 8 for d in (cfg.scale_dtype, cfg.lora_dtype, cfg.out_dtype))
-    bar = lambda name, n, kind, why: Term(name, MBARRIER_BYTES * n, MBARRIER_BYTES, "int64", kind, why)
-    t = [bar("main_full", S, "main", "TMA transaction barrier: the stage's bytes have landed"),
-         bar("main_empty", S, "main", "consumers hand the stage back to the TMA producer")]
+    t = [Term.barriers("main_full", S, "main", "TMA transaction barrier: the stage's bytes have landed"),
+         Term.barriers("main_empty", S, "main", "consumers hand the stage back to the TMA producer")]
     if R:
-        t += [bar("lora_full", L, "lora", "TMA transaction barrier for the LoRA blocks"),
-              bar("lora_empty", L, "lora", "consumers release the LoRA blocks")]
+        t += [Term.barriers("lora_full", L, "lora", "TMA transaction barrier for the LoRA blocks"),
+              Term.barriers("lora_empty", L, "lora", "consumers release the LoRA blocks")]
     t += [Term("a_packed", S * BM * BK // 2, SWIZZLE_128B_ALIGN, "uint8", "main",
                "int4 activations as TMA lands them, two per byte"),
           Term("b_packed", S * BN * BK // 2, SWIZZLE_128B_ALIGN, "uint8", "main",
@@ -148,10 +147,8 @@ class HopperV2Config(HopperV1Config):
 # %% ../nbs/12a_configs.ipynb #9f6192a2
 def decode_ring_barriers(stages: int) -> list:
     "The decode ring's two barrier arrays, one barrier a stage each way: the Terms of every layout with a decoded ring."
-    return [Term("dec_full", MBARRIER_BYTES * stages, MBARRIER_BYTES, "int64", "decode",
-                 "the decode warpgroup has filled a decoded stage"),
-            Term("dec_empty", MBARRIER_BYTES * stages, MBARRIER_BYTES, "int64", "decode",
-                 "the MMA warpgroups hand a decoded stage back")]
+    return [Term.barriers("dec_full", stages, "decode", "the decode warpgroup has filled a decoded stage"),
+            Term.barriers("dec_empty", stages, "decode", "the MMA warpgroups hand a decoded stage back")]
 
 def hopper_v2_terms(cfg: HopperV2Config, stages: dict, accounting: str) -> list:
     "v1's SharedStorage plus the decode ring's barriers and each decoded stage's copy of the scales."
@@ -229,12 +226,11 @@ def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
     S, L = stages["main"], stages["lora"]
     BM, BN, BK, R = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.lora_rank
     lb, ob = DTYPE_BITS[cfg.lora_dtype] // 8, DTYPE_BITS[cfg.out_dtype] // 8
-    bar = lambda name, n, kind, why: Term(name, MBARRIER_BYTES * n, MBARRIER_BYTES, "int64", kind, why)
-    t = [bar("main_full", S, "main", "TMA transaction barrier: the stage's three boxes have landed"),
-         bar("main_empty", S, "main", "the MMA warpgroups (of both CTAs of a pair) hand the stage back")]
+    t = [Term.barriers("main_full", S, "main", "TMA transaction barrier: the stage's three boxes have landed"),
+         Term.barriers("main_empty", S, "main", "the MMA warpgroups (of both CTAs of a pair) hand the stage back")]
     if R:
-        t += [bar("lora_full", L, "lora", "TMA transaction barrier for the LoRA blocks"),
-              bar("lora_empty", L, "lora", "the MMA warpgroups release the LoRA blocks")]
+        t += [Term.barriers("lora_full", L, "lora", "TMA transaction barrier for the LoRA blocks"),
+              Term.barriers("lora_empty", L, "lora", "the MMA warpgroups release the LoRA blocks")]
     # NOTES: after the barriers, the tables sit in the padding before the first 1024-aligned buffer: they cost no byte
     t.append(Term("decode_lookup", PG_LOOKUP_BYTES, 16, "uint32", None,
                   "the decode's PRMT tables: for each u, 16 int8 q*u (two 8-byte tables), written once per CTA "

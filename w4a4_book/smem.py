@@ -65,6 +65,11 @@ class Term:
             raise ValueError(f"bytes={self.bytes}: not a whole number of {self.dtype}")
         if self.align < 1 or self.align & (self.align - 1): raise ValueError(f"align={self.align}: not a power of two")
 
+    @classmethod
+    def barriers(cls, name: str, count: int, per_stage: str, note: str):
+        "`count` mbarriers, one a stage of kind `per_stage`: 8 bytes each, 8-aligned."
+        return cls(name, MBARRIER_BYTES * count, MBARRIER_BYTES, "int64", per_stage, note)
+
     @property
     def dtype_bits(self) -> int: return DTYPE_BITS[self.dtype]
 
@@ -138,15 +143,14 @@ def blackwell_orig_terms(cfg: BlackwellOrigConfig, stages: dict, accounting: str
     c, BK, R, ob = cfg.cta_group, cfg.tile_k, cfg.lora_rank, DTYPE_BITS[cfg.out_dtype] // 8
     BM, BN = cfg.tile_m // c, cfg.tile_n // c    # a 2-CTA MMA splits A's rows and B's columns over the pair
     sf_k = BK // GROUP_SIZE[cfg.fmt]
-    bar = lambda name, n, kind, why: Term(name, MBARRIER_BYTES * n, MBARRIER_BYTES, "int64", kind, why)
-    t = [bar("main_full", S, "main", "pipeline_aw: A, B and both scale TMAs land on one barrier"),
-         bar("main_empty", S, "main", "pipeline_aw: the MMA warp frees the stage"),
-         bar("acc_full", 1, None, "pipeline_acc: accumulator ready in TMEM (one stage)"),
-         bar("acc_empty", 1, None, "pipeline_acc: the epilogue has drained TMEM")]
+    t = [Term.barriers("main_full", S, "main", "pipeline_aw: A, B and both scale TMAs land on one barrier"),
+         Term.barriers("main_empty", S, "main", "pipeline_aw: the MMA warp frees the stage"),
+         Term.barriers("acc_full", 1, None, "pipeline_acc: accumulator ready in TMEM (one stage)"),
+         Term.barriers("acc_empty", 1, None, "pipeline_acc: the epilogue has drained TMEM")]
     if R:
-        t += [bar("lora_full", L, "lora", "pipeline_lora: LA and LU have landed"),
-              bar("lora_empty", L, "lora", "pipeline_lora: the LoRA MMAs are done with them")]
-    t += [bar("tmem_dealloc", 1, None, "orders the TMEM free at exit"),
+        t += [Term.barriers("lora_full", L, "lora", "pipeline_lora: LA and LU have landed"),
+              Term.barriers("lora_empty", L, "lora", "pipeline_lora: the LoRA MMAs are done with them")]
+    t += [Term.barriers("tmem_dealloc", 1, None, "orders the TMEM free at exit"),
           Term("tmem_holding", 4, 4, "int32", None, "TMEM base address written by tcgen05.alloc"),
           Term("epilogue", E * SM100_EPI_TILE[0] * SM100_EPI_TILE[1] * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "epi",
                "128 x 32 subtiles, TMEM -> smem -> TMA store"),
