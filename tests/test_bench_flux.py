@@ -82,7 +82,7 @@ def test_command_without_a_gpu_prints_one_line_then_the_records():
 @pytest.mark.gpu
 @pytest.mark.skipif(kernel_unavailable() is not None, reason="needs a GPU the sm_90 kernels run on")
 def test_small_model_every_method_on_gpu():
-    run = bench_flux.FluxRun(config=FLUX_SMALL, resolutions=(256,), text_tokens=64)
+    run = bench_flux.FluxRun(config=FLUX_SMALL, resolutions=(256,), text_tokens=64, methods=bench_flux.FLUX_METHODS)
     rows = bench_flux.run_flux_bench(run, quiet=True)
     assert [r["method"] for r in rows] == list(bench_flux.FLUX_METHODS)
     assert all("error" not in r and r["median_ms"] > 0 and r["rel_err"] < 0.1 for r in rows), rows
