@@ -1,6 +1,6 @@
 """`w4a4-book bench-flux` (`nbs/20e_bench_flux.ipynb`): every path on CPU on the reduced model, a failing method kept
-as a row with its error, the record's provenance, the command without a GPU, and on a GPU every method of a small
-model; skipped without diffusers."""
+as a row with its error, the FP8 model built once for both FP8 methods, the record's provenance, the command without a
+GPU, and on a GPU every method of a small model; skipped without diffusers."""
 import argparse
 import contextlib
 import io
@@ -43,6 +43,23 @@ def test_a_failing_method_leaves_its_error_and_the_others_run(monkeypatch):
     assert "RuntimeError: no FP8 here" in bench_flux.flux_table(rows)
 
 
+def test_fp8_graph_times_the_fp8_model_built_once_and_a_failed_capture_is_a_row(monkeypatch):
+    built, to_fp8, measured = [], bench_flux.to_fp8, bench_flux.measure
+    def counted(model):
+        built.append(model)
+        return to_fp8(model)
+    def no_capture(call, ref, graph, run):         # on CPU nothing is captured: a capture that raises stands in
+        if graph:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return measured(call, ref, graph, run)
+    monkeypatch.setattr(bench_flux, "to_fp8", counted)
+    monkeypatch.setattr(bench_flux, "measure", no_capture)
+    rows = _run(methods=("fp8_graph", "bf16_eager", "fp8_compiled"), fp8="book", timed=False)
+    assert [r["method"] for r in rows] == ["bf16_eager", "fp8_compiled", "fp8_graph"] and len(built) == 1
+    assert "error" not in rows[1] and rows[2]["error"].startswith("RuntimeError: operation not permitted")
+    assert all(rows[2][k] == rows[1][k] for k in ("fp8_impl", "convert_s", "weight_gb"))
+
+
 def test_provenance_makes_a_valid_record(tmp_path):
     prov = bench_flux.flux_provenance(bench_flux.FluxRun(resolutions=(512,), methods=("w4a4_graph",)))
     path = save_record(tmp_path / "flux_test.json", prov, [dict(method="w4a4_graph", resolution=512, median_ms=1.0)])
@@ -65,8 +82,9 @@ def test_command_without_a_gpu_prints_one_line_then_the_records():
 @pytest.mark.gpu
 @pytest.mark.skipif(kernel_unavailable() is not None, reason="needs a GPU the sm_90 kernels run on")
 def test_small_model_every_method_on_gpu():
-    run = bench_flux.FluxRun(config=FLUX_SMALL, resolutions=(256,), text_tokens=64)
+    run = bench_flux.FluxRun(config=FLUX_SMALL, resolutions=(256,), text_tokens=64, methods=bench_flux.FLUX_METHODS)
     rows = bench_flux.run_flux_bench(run, quiet=True)
     assert [r["method"] for r in rows] == list(bench_flux.FLUX_METHODS)
     assert all("error" not in r and r["median_ms"] > 0 and r["rel_err"] < 0.1 for r in rows), rows
-    assert [r["graph"] for r in rows] == [False, False, False, True, True]
+    assert [r["graph"] for r in rows] == [m in bench_flux.GRAPH_METHODS for m in bench_flux.FLUX_METHODS]
+    assert rows[3]["method"] == "fp8_graph" and rows[3]["first_call_s"] < rows[2]["first_call_s"]   # compiled once
