@@ -367,7 +367,7 @@ def test_budget_of_a_kernel_method():
     "The stages a kernel method runs with are the solver's for its config bound to the workload's problem."
     from w4a4_book import smem
     p = make_workload(64, 128, 3840, 128, device="cpu").problem
-    stages = {m.name: smem.solve(m.config.bind(p), k=p.K).stages["main"] for m in KERNELS}
+    stages = {m.name: smem.solve(m.config, p).stages["main"] for m in KERNELS}
     assert stages["w4a4_v2"] == stages["w4a4_v2_2cta"] == 3      # the fix: a pair charges each CTA its half of LU
 
 

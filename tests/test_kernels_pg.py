@@ -80,19 +80,20 @@ def test_lora_chunks_compile_with_the_solvers_storage(cls, kw):
     cfg, p = cls(**kw), pg_problem(4352, 3072, 3840, 128)
     rep = jit.compile_kernel(cfg, p)
     check_compiled(rep, 128, a_in_registers=cls is HopperPgConfig)
-    whole = smem.solve(replace(cfg, lora_chunk=None, lora_stages=1).bind(p), k=p.K).stages["main"]
+    whole = smem.solve(replace(cfg, lora_chunk=None, lora_stages=1), p).stages["main"]
     assert rep.budget.stages["main"] > whole
 
 
 def test_lora_chunk_validity():
-    with pytest.raises(ValueError, match="lora_chunk=48: must divide lora_rank=128"):
-        smem.check_config(HopperPgConfig(lora_rank=128, lora_chunk=48))
+    R128, R16 = smem.ProblemSpec(R=128), smem.ProblemSpec(R=16)
+    with pytest.raises(ValueError, match="lora_chunk=48: must divide the rank R=128"):
+        smem.solve(HopperPgConfig(lora_chunk=48), R128)
     with pytest.raises(ValueError, match="lora_chunk=32: v1 loads"):
-        smem.check_config(HopperPgV1Config(lora_rank=128, lora_chunk=32))
+        smem.solve(HopperPgV1Config(lora_chunk=32), R128)
     with pytest.raises(ValueError, match="lora_chunk=8"):
-        smem.check_config(HopperPgConfig(lora_rank=128, lora_chunk=8))
-    smem.check_config(HopperPgConfig(lora_rank=16, lora_chunk=32))          # wider than the rank: one chunk
-    assert configs.lora_chunk_of(HopperPgConfig(lora_rank=16, lora_chunk=32)) == 16
+        HopperPgConfig(lora_chunk=8)                                        # refused when made
+    smem.solve(HopperPgConfig(lora_chunk=32), R16)                          # wider than the rank: one chunk
+    assert configs.lora_chunk_of(HopperPgConfig(lora_chunk=32), 16) == 16
 
 def check_vectors(rep):
     """With the epilogue's vectors in shared memory the kernel loads only each thread's few shares from global memory
@@ -126,7 +127,7 @@ def test_requirements_and_bad_input():
     with pytest.raises(ValueError, match="K=149248 is too long for an exact int32 sum"):
         from w4a4_book.operands import check_int32_sum
         check_int32_sum(149248, "int4_pg", "int4_pg")
-    with pytest.raises(ValueError, match="lora_rank=256"):
+    with pytest.raises(ValueError, match="R=256"):
         jit.build(HopperPgConfig(), pg_problem(4352, 3072, 3840, 256))       # the 256-row tile leaves no room at R = 256
 
 

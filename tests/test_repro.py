@@ -83,7 +83,7 @@ def test_the_model_predicts_the_published_budget():
     assert pub["terms"] == dict(capacity=232448, LA=32768, LU=16384, main_stage=28672, epi_stage=8192)
     assert pub["fit"] == {0: (3, 7), 1: (4, 5), 2: (2, 4), 3: (3, 2), 4: None}
     assert repro.model_budget() == pub
-    lu = smem.solve(replace(repro.ORIGINAL, lora_rank=128, lora_stages=2, lora_accounting="pair_lu"))
+    lu = smem.solve(replace(repro.ORIGINAL, lora_stages=2, lora_accounting="pair_lu"), smem.ProblemSpec(R=128))
     assert lu.stages["main"] == 2 and lu.total - lu.allocated == 2 * 16384     # LU's phantom half, two LoRA stages
 
 
@@ -153,7 +153,7 @@ def test_recorded_lora_bug_is_consistent():
             # the stage count the record names is the one the solver gives for that problem, kernel and mode (0: none fits)
             cfg = repro.row_config(r)
             p = jit.example_problem(registry.spec_for(cfg), r["M"], r["N"], r["K"], r["R"])
-            solved = repro._main_stages(cfg.bind(p), k=r["K"])[0]
+            solved = repro._main_stages(cfg, p)[0]
             if r.get("forced"):                      # a depth-sweep point: a stage count the solver's choice allows
                 assert 1 <= r["main_stages"] <= solved and "fixed_over_bug" not in r, (path.name, r)
             else:
@@ -368,7 +368,7 @@ def test_accounting_modes_match_reference():
     from test_kernels import check_against_ref, make_case
     M, N, K, R = 300, 1024, 1024, 128
     by_acct = {a: replace(repro.LORA_BUG_CONFIG, lora_accounting=a) for a in (repro.BUG, repro.FIX)}
-    stages = {a: smem.solve(c.bind(Problem(M, N, K, R)), k=K).stages["main"] for a, c in by_acct.items()}
+    stages = {a: smem.solve(c, Problem(M, N, K, R)).stages["main"] for a, c in by_acct.items()}
     assert stages == {"per_cta": 3, "pair": 1}
     case = make_case(M, N, K, R, seed=6)
     for acct, config in by_acct.items():

@@ -92,16 +92,17 @@ def test_lora_steps_spread_over_k():
 # ---------------------------------------------------------------- the solver family
 def test_pair_loses_the_stages_the_solver_says():
     for R, per_cta, pair in [(32, 5, 4), (128, 3, 2)]:
-        b = {a: smem.solve(_cfg(2, lora_rank=R, lora_accounting=a)) for a in smem.LORA_ACCOUNTING}
+        b = {a: smem.solve(_cfg(2, lora_accounting=a), smem.ProblemSpec(R=R)) for a in smem.LORA_ACCOUNTING}
         assert (b["per_cta"].stages["main"], b["pair"].stages["main"]) == (per_cta, pair)
         assert b["per_cta"].total == b["per_cta"].allocated and b["pair"].total > b["pair"].allocated
 
 
 def test_config_errors_name_the_field():
-    for kw, field in [(dict(lora_rank=32, lora_dtype="float16"), "lora_dtype"), (dict(tile_n=192), "tile_n"),
-                      (dict(arch="sm_90"), "arch"), (dict(lora_stages=2, lora_rank=32), "lora_stages")]:
+    for kw, field in [(dict(tile_n=192), "tile_n"), (dict(arch="sm_90"), "arch"), (dict(lora_stages=2), "lora_stages")]:
         with pytest.raises(ValueError, match=f"{field}="):
             smem.check_config(_cfg(**kw))
+    with pytest.raises(ValueError, match="^lora_dtype='float16'"):      # the pre-scaled up-projection needs bf16
+        smem.solve(_cfg(), smem.ProblemSpec(R=32, lora_dtype="float16"))
     with pytest.raises(ValueError, match="tile_m=128"):
         smem.check_config(configs.Sm100V1Config(cta_group=2))
 
@@ -139,7 +140,7 @@ def reports():
 @pytest.mark.parametrize("cg, R, acct", COMPILES)
 def test_compiled_storage_equals_solver(reports, cg, R, acct):
     rep = reports[cg, R, acct]
-    want = smem.solve(_cfg(cg, lora_accounting=acct).bind(rep.problem), k=rep.problem.K)
+    want = smem.solve(_cfg(cg, lora_accounting=acct), rep.problem)
     assert rep.smem_bytes == want.allocated == rep.budget.allocated
     assert rep.budget.stages == want.stages
     if acct == "per_cta": assert want.total == want.allocated
@@ -239,7 +240,7 @@ def test_matches_reference_on_b200(cg, M, N, K, R, out_dtype):
 def test_v2_solver_family_and_tmem():
     "v2's budget is the solver's Blackwell family: the pair loses the stages the solver says; TMEM is counted."
     for R, per_cta, pair in [(32, 5, 4), (128, 3, 2)]:
-        b = {a: smem.solve(_cfg2(lora_rank=R, lora_accounting=a)) for a in smem.LORA_ACCOUNTING}
+        b = {a: smem.solve(_cfg2(lora_accounting=a), smem.ProblemSpec(R=R)) for a in smem.LORA_ACCOUNTING}
         assert (b["per_cta"].stages["main"], b["pair"].stages["main"]) == (per_cta, pair)
     assert configs.sm100_tmem_columns(_cfg2())["total"] == 256 + 16 + 32
     assert configs.sm100_tmem_columns(_cfg2(tile_n=128, acc_stages=2))["total"] == 2 * 128 + 16 + 16
@@ -247,7 +248,7 @@ def test_v2_solver_family_and_tmem():
         smem.check_config(_cfg2(acc_stages=2))
     with pytest.raises(ValueError, match="^acc_stages=3"):
         smem.check_config(_cfg2(tile_n=128, acc_stages=3))
-    acc = {t.name: t.bytes for t in smem.solve(_cfg2(tile_n=128, acc_stages=2)).fields}
+    acc = {t.name: t.bytes for t in smem.solve(_cfg2(tile_n=128, acc_stages=2), smem.ProblemSpec()).fields}
     assert acc["acc_full"] == acc["acc_empty"] == 2 * smem.MBARRIER_BYTES
 
 
@@ -275,7 +276,7 @@ def test_v2_scheduler_covers_every_tile_once():
 def test_v2_compiled_storage_equals_solver(reports, key):
     "The compiled SharedStorage is the solver's, in both LoRA accountings (pair: the charged total exceeds it)."
     rep = reports[("v2", *key)]
-    want = smem.solve(_v2_config(*key).bind(rep.problem), k=rep.problem.K)
+    want = smem.solve(_v2_config(*key), rep.problem)
     assert rep.smem_bytes == want.allocated == rep.budget.allocated
     assert rep.budget.stages == want.stages
     assert (want.total == want.allocated) == (key[2] == "per_cta" or key[1] == 0)

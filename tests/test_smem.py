@@ -8,17 +8,18 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from w4a4_book.smem import (ARCHS, DTYPE_BITS, LORA_ACCOUNTING, family_of, BlackwellOrigConfig, Term,
-                            blackwell_orig_terms, budget_segments, check_config, plot_budgets, solve, struct_layout)
+from w4a4_book.smem import (ARCHS, DTYPE_BITS, LORA_ACCOUNTING, family_of, BlackwellOrigConfig, ProblemSpec, Term,
+                            blackwell_orig_terms, budget_segments, check_config, plot_budgets, problem_of, solve,
+                            struct_layout)
 from w4a4_book.configs import CONFIGS, HopperV1Config, explain
 
 
 def _budgets():
     "Every named config under both accounting modes."
-    for name, cfg in CONFIGS.items():
+    for name, (cfg, problem) in CONFIGS.items():
         for acct in LORA_ACCOUNTING:
             try:                          # a config refuses an accounting its family lacks when it is made
-                yield f"{name}/{acct}", solve(replace(cfg, lora_accounting=acct))
+                yield f"{name}/{acct}", solve(replace(cfg, lora_accounting=acct), problem)
             except ValueError:
                 continue
 
@@ -52,7 +53,7 @@ def test_budget_segments_sum_to_total(name, b):
 def test_plot_budgets(tmp_path):
     import matplotlib
     matplotlib.use("Agg")
-    bs = {a: solve(HopperV1Config(lora_rank=128, cluster_n=2, lora_accounting=a)) for a in ("pair", "per_cta")}
+    bs = {a: solve(HopperV1Config(cluster_n=2, lora_accounting=a), ProblemSpec(R=128)) for a in ("pair", "per_cta")}
     fig = plot_budgets(bs, path=tmp_path / "b.png")
     assert (tmp_path / "b.png").stat().st_size > 0
     assert [t.get_text() for t in fig.axes[0].texts if "main stage" in t.get_text()] == ["5 main stages", "3 main stages"]
@@ -75,19 +76,18 @@ def test_group_size_matches_formats():
     assert GROUP_SIZE == formats.GROUP_SIZE
 
 
-@pytest.mark.parametrize("cfg", [HopperV1Config(lora_rank=r) for r in (16, 32, 128, 256)]
-                         + [BlackwellOrigConfig(tile_m=128, cta_group=1, tile_n=n, lora_rank=r)
+@pytest.mark.parametrize("cfg,R", [(HopperV1Config(), r) for r in (16, 32, 128, 256)]
+                         + [(BlackwellOrigConfig(tile_m=128, cta_group=1, tile_n=n), r)
                             for n in (128, 256) for r in (32, 128)])
-def test_single_cta_accounting_modes_agree(cfg):
-    per_cta, pair = solve(cfg), solve(replace(cfg, lora_accounting="pair"))
+def test_single_cta_accounting_modes_agree(cfg, R):
+    per_cta, pair = solve(cfg, ProblemSpec(R=R)), solve(replace(cfg, lora_accounting="pair"), ProblemSpec(R=R))
     assert (per_cta.stages, per_cta.total, per_cta.allocated) == (pair.stages, pair.total, pair.allocated)
 
 
-@pytest.mark.parametrize("cfg", [HopperV1Config(cluster_n=2, lora_rank=128),
-                                 BlackwellOrigConfig(lora_rank=128),
-                                 BlackwellOrigConfig(tile_n=128, lora_rank=128)])
+@pytest.mark.parametrize("cfg", [HopperV1Config(cluster_n=2), BlackwellOrigConfig(), BlackwellOrigConfig(tile_n=128)])
 def test_pair_accounting_costs_stages_at_large_rank(cfg):
-    assert solve(replace(cfg, lora_accounting="pair")).stages["main"] < solve(cfg).stages["main"]
+    R = ProblemSpec(R=128)
+    assert solve(replace(cfg, lora_accounting="pair"), R).stages["main"] < solve(cfg, R).stages["main"]
 
 
 # (config name, accounting) -> (main stages, lora stages, epilogue stages, charged total, allocated);
@@ -137,26 +137,27 @@ PINNED = {
 
 
 def test_pinned_table_covers_named_configs():
-    assert set(PINNED) == {(n, a) for n in CONFIGS for a in family_of(CONFIGS[n]).accountings}
+    assert set(PINNED) == {(n, a) for n in CONFIGS for a in family_of(CONFIGS[n][0]).accountings}
 
 
 def test_hopper_pairs_refuse_the_lu_only_mode():
     "A Hopper pair splits only LU, so `pair` is its whole mistake and `pair_lu` a duplicate, refused by name."
-    for cfg in (HopperV1Config(cluster_n=2), CONFIGS["pg-2cta-r32"]):
+    for cfg in (HopperV1Config(cluster_n=2), CONFIGS["pg-2cta-r32"][0]):
         with pytest.raises(ValueError, match="lora_accounting='pair_lu'.*splits only LU"):
-            solve(replace(cfg, lora_accounting="pair_lu"))
+            solve(replace(cfg, lora_accounting="pair_lu"), ProblemSpec(R=32))
     assert BlackwellOrigConfig.rules.accountings == LORA_ACCOUNTING
 
 
 @pytest.mark.parametrize("key", list(PINNED))
 def test_pinned_stage_counts(key):
     name, acct = key
-    cfg = replace(CONFIGS[name], lora_accounting=acct)
+    cfg, problem = CONFIGS[name]
+    cfg = replace(cfg, lora_accounting=acct)
     if PINNED[key] is None:
-        with pytest.raises(ValueError, match="lora_rank="):
-            solve(cfg)
+        with pytest.raises(ValueError, match="^R="):
+            solve(cfg, problem)
         return
-    b = solve(cfg)
+    b = solve(cfg, problem)
     assert (b.stages["main"], b.stages["lora"], b.stages["epi"], b.total, b.allocated) == PINNED[key]
 
 
@@ -164,16 +165,13 @@ def test_pinned_stage_counts(key):
     (dict(tile_m=96), "tile_m", ValueError), (dict(tile_m=512), "tile_m", ValueError),
     (dict(tile_n=100), "tile_n", ValueError), (dict(tile_n=0), "tile_n", ValueError),
     (dict(tile_k=96), "tile_k", ValueError), (dict(tile_k=32), "tile_k", ValueError),
-    (dict(lora_rank=24), "lora_rank", ValueError), (dict(lora_rank=-16), "lora_rank", ValueError),
     (dict(cluster_n=4), "cluster_n", ValueError), (dict(decode_stages=0), "decode_stages", ValueError),
     (dict(lora_stages=0), "lora_stages", ValueError), (dict(stages=0), "stages", ValueError),
     (dict(max_stages=0), "max_stages", ValueError),
     (dict(arch="sm_89"), "arch", ValueError), (dict(arch="sm_100"), "arch", ValueError),
     (dict(fmt="int8"), "fmt", ValueError), (dict(fmt="nvfp4"), "fmt", ValueError),
-    (dict(out_dtype="float8_e4m3fn"), "out_dtype", ValueError), (dict(scale_dtype="float32"), "scale_dtype", ValueError),
-    (dict(lora_dtype="float32"), "lora_dtype", ValueError), (dict(epilogue="smem"), "epilogue", ValueError),
-    (dict(lora_accounting="cluster"), "lora_accounting", ValueError),
-    (dict(tile_n=128.0), "tile_n", TypeError), (dict(lora_rank=True), "lora_rank", TypeError),
+    (dict(epilogue="smem"), "epilogue", ValueError), (dict(lora_accounting="cluster"), "lora_accounting", ValueError),
+    (dict(tile_n=128.0), "tile_n", TypeError),
 ])
 def test_check_config_names_the_field_hopper(bad, field, exc):
     with pytest.raises(exc, match=rf"^{field}\b"):
@@ -183,12 +181,35 @@ def test_check_config_names_the_field_hopper(bad, field, exc):
 @pytest.mark.parametrize("bad,field", [
     (dict(tile_m=128), "tile_m"), (dict(cta_group=1), "tile_m"), (dict(cta_group=3), "cta_group"),
     (dict(tile_n=192), "tile_n"), (dict(tile_k=96), "tile_k"), (dict(epi_stages=0), "epi_stages"),
-    (dict(out_dtype="float32"), "out_dtype"), (dict(arch="sm_90"), "arch"), (dict(fmt="int4"), "fmt"),
-    (dict(lora_rank=8), "lora_rank"),
+    (dict(arch="sm_90"), "arch"), (dict(fmt="int4"), "fmt"),
 ])
 def test_check_config_names_the_field_blackwell(bad, field):
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         check_config(BlackwellOrigConfig(**bad))
+
+
+@pytest.mark.parametrize("cfg,bad,field,exc", [
+    (HopperV1Config(), dict(R=24), "R", ValueError), (HopperV1Config(), dict(R=-16), "R", ValueError),
+    (HopperV1Config(), dict(R=True), "R", ValueError), (HopperV1Config(), dict(K=0), "K", ValueError),
+    (HopperV1Config(), dict(out_dtype="float8_e4m3fn"), "out_dtype", ValueError),
+    (HopperV1Config(), dict(scale_dtype="float32"), "scale_dtype", ValueError),
+    (HopperV1Config(), dict(lora_dtype="float32"), "lora_dtype", ValueError),
+    (HopperV1Config(), dict(out_dtype="int3"), "out_dtype", ValueError),
+    (BlackwellOrigConfig(), dict(out_dtype="float32"), "out_dtype", ValueError),
+    (BlackwellOrigConfig(), dict(R=8), "R", ValueError),
+    (BlackwellOrigConfig(), dict(out_dtype="bfloat16"), "lora_dtype", ValueError),   # its LoRA blocks: the output's
+])
+def test_the_problem_is_refused_by_name(cfg, bad, field, exc):
+    "A problem the config's kernel cannot build is refused naming the problem's field, before any budget."
+    with pytest.raises(exc, match=rf"^{field}\b"):
+        problem_of(cfg, ProblemSpec(**bad))
+
+
+def test_a_config_needs_its_problem():
+    with pytest.raises(TypeError, match="^problem: a hopper_v1 config holds tuning alone"):
+        solve(HopperV1Config(), None)
+    with pytest.raises(TypeError, match="^problem: must be a ProblemSpec or an operands.Problem"):
+        solve(HopperV1Config(), 32)
 
 
 def test_check_config_rejects_other_types():
@@ -197,30 +218,31 @@ def test_check_config_rejects_other_types():
 
 
 def test_stage_override_and_caps():
-    assert solve(HopperV1Config(lora_rank=32, stages=2)).stages["main"] == 2
-    assert solve(HopperV1Config(lora_rank=32, max_stages=3)).stages["main"] == 3
-    assert solve(HopperV1Config(lora_rank=32), k=256).stages["main"] == 2
-    assert solve(HopperV1Config(lora_rank=32), k=100_000).stages["main"] == 8
+    R32 = ProblemSpec(R=32)
+    assert solve(HopperV1Config(stages=2), R32).stages["main"] == 2
+    assert solve(HopperV1Config(max_stages=3), R32).stages["main"] == 3
+    assert solve(HopperV1Config(), ProblemSpec(R=32, K=256)).stages["main"] == 2
+    assert solve(HopperV1Config(), ProblemSpec(R=32, K=100_000)).stages["main"] == 8
     with pytest.raises(ValueError, match=r"^stages=9"):
-        solve(HopperV1Config(lora_rank=32, stages=9))
-    with pytest.raises(ValueError, match=r"^k="):
-        solve(HopperV1Config(), k=0)
+        solve(HopperV1Config(stages=9), R32)
+    with pytest.raises(ValueError, match=r"^K="):
+        solve(HopperV1Config(), ProblemSpec(K=0))
 
 
 def test_no_fit_names_the_culprit():
-    with pytest.raises(ValueError, match=r"^lora_rank=256"):
-        solve(HopperV1Config(lora_rank=256, lora_stages=2))
+    with pytest.raises(ValueError, match=r"^R=256"):
+        solve(HopperV1Config(lora_stages=2), ProblemSpec(R=256))
     with pytest.raises(ValueError, match=r"^decode_stages=8"):
-        solve(HopperV1Config(decode_stages=8))
+        solve(HopperV1Config(decode_stages=8), ProblemSpec())
     with pytest.raises(ValueError, match=r"^tile_m="):
-        solve(HopperV1Config(tile_m=256, tile_n=256, tile_k=256))
+        solve(HopperV1Config(tile_m=256, tile_n=256, tile_k=256), ProblemSpec())
 
 
 def test_solved_stage_count_is_the_largest_that_fits():
     for _, b in _budgets():
         more = replace(b.config, stages=b.stages["main"] + 1)
         with pytest.raises(ValueError, match=r"^stages="):
-            solve(more)
+            solve(more, b.problem)
 
 
 def test_term_validation():
@@ -235,10 +257,12 @@ def test_term_validation():
 
 
 def test_explain():
-    text = explain("v1-2cta-r128")
-    assert text.splitlines()[0] == CONFIGS["v1-2cta-r128"].label
+    text, (cfg, problem) = explain("v1-2cta-r128"), CONFIGS["v1-2cta-r128"]
+    assert text.splitlines()[0] == f"{cfg.label} R=128" == solve(cfg, problem).label
     assert "lora_up" in text and "(alignment)" in text
-    assert "charged but never allocated" in explain(replace(CONFIGS["v1-2cta-r128"], lora_accounting="pair"))
+    assert "charged but never allocated" in explain(replace(cfg, lora_accounting="pair"), problem)
+    with pytest.raises(TypeError, match="^problem: 'v1' names its own problem"):
+        explain("v1", problem)
     with pytest.raises(ValueError, match="^cfg="):
         explain("no-such-config")
 
@@ -262,7 +286,8 @@ def _cute_struct(terms):
 def test_budget_fields_match_cute_struct(name, b):
     "The struct a kernel builds from `budget.fields` has `budget.allocated` bytes, and the per_cta budget's offsets."
     s = _cute_struct(b.fields)
-    assert s.size_in_bytes() == b.allocated == struct_layout(family_of(b.config).terms(b.config, b.stages, "per_cta"))[1]
+    per_cta = family_of(b.config).terms(b.config, b.problem, b.stages, "per_cta")
+    assert s.size_in_bytes() == b.allocated == struct_layout(per_cta)[1]
     if b.config.lora_accounting == "per_cta":
         assert (s._offsets, s.size_in_bytes()) == (b.offsets, b.total)
 
@@ -281,29 +306,32 @@ def test_struct_layout_is_cute_struct(spec):
 
 # ---- properties over the config space ----
 
-hopper_configs = st.builds(
+ranks = st.integers(0, 16).map(lambda x: 16 * x)
+hopper_cases = st.tuples(st.builds(
     HopperV1Config, tile_m=st.sampled_from([64, 128, 192, 256]), tile_n=st.integers(1, 32).map(lambda x: 8 * x),
-    tile_k=st.sampled_from([64, 128, 192, 256]), cluster_n=st.sampled_from([1, 2]),
-    lora_rank=st.integers(0, 16).map(lambda x: 16 * x), lora_stages=st.integers(1, 3), decode_stages=st.integers(1, 3),
-    out_dtype=st.sampled_from(["bfloat16", "float16", "float32"]), epilogue=st.sampled_from(["tile", "none"]),
-    lora_accounting=st.sampled_from(HopperV1Config.rules.accountings), max_stages=st.none() | st.integers(1, 12))
-blackwell_configs = st.sampled_from([1, 2]).flatmap(lambda c: st.builds(
+    tile_k=st.sampled_from([64, 128, 192, 256]), cluster_n=st.sampled_from([1, 2]), lora_stages=st.integers(1, 3),
+    decode_stages=st.integers(1, 3), epilogue=st.sampled_from(["tile", "none"]),
+    lora_accounting=st.sampled_from(HopperV1Config.rules.accountings), max_stages=st.none() | st.integers(1, 12)),
+    st.builds(ProblemSpec, R=ranks, out_dtype=st.sampled_from(["bfloat16", "float16", "float32"])))
+blackwell_cases = st.tuples(st.sampled_from([1, 2]).flatmap(lambda c: st.builds(
     BlackwellOrigConfig, cta_group=st.just(c), tile_m=st.just(128 * c), tile_n=st.sampled_from([128, 256]),
-    tile_k=st.sampled_from([64, 128, 256]), lora_rank=st.integers(0, 16).map(lambda x: 16 * x),
-    lora_stages=st.integers(1, 3), epi_stages=st.integers(1, 4), out_dtype=st.sampled_from(["float16", "bfloat16"]),
-    lora_accounting=st.sampled_from(LORA_ACCOUNTING)))
+    tile_k=st.sampled_from([64, 128, 256]), lora_stages=st.integers(1, 3), epi_stages=st.integers(1, 4),
+    lora_accounting=st.sampled_from(LORA_ACCOUNTING))),
+    st.sampled_from(["float16", "bfloat16"]).flatmap(lambda d: st.builds(
+        ProblemSpec, R=ranks, out_dtype=st.just(d), lora_dtype=st.just(d))))
 
 
 @settings(max_examples=300, deadline=None)
-@given(hopper_configs | blackwell_configs)
-def test_solve_never_exceeds_capacity_and_terms_sum(cfg):
+@given(hopper_cases | blackwell_cases)
+def test_solve_never_exceeds_capacity_and_terms_sum(case):
+    cfg, problem = case
     try:
-        b = solve(cfg)
+        b = solve(cfg, problem)
     except ValueError as e:
-        assert str(e).split("=")[0] in {"lora_rank", "decode_stages", "epi_stages", "tile_m"}
+        assert str(e).split("=")[0] in {"R", "decode_stages", "epi_stages", "tile_m"}
         return
     _invariants(b)
-    per_cta = solve(replace(cfg, lora_accounting="per_cta"))
+    per_cta = solve(replace(cfg, lora_accounting="per_cta"), problem)
     assert per_cta.stages["main"] >= b.stages["main"]
 
 
@@ -356,6 +384,7 @@ def test_blackwell_model_matches_cutlass_layouts(tmp_path):
     for m, n, k, two, R in _PROBED:
         got = probed[f"{m},{n},{k},{R}"]
         assert 4 * got.pop("mma_k") == BlackwellOrigConfig().tile_k   # the original's tile_k: four NVFP4 MMAs
-        cfg = BlackwellOrigConfig(tile_m=m, tile_n=n, cta_group=2 if two else 1, tile_k=k, lora_rank=R)
-        model = {t.name: t.bytes for t in blackwell_orig_terms(cfg, dict(main=1, lora=1, epi=1), "per_cta")}
+        cfg = BlackwellOrigConfig(tile_m=m, tile_n=n, cta_group=2 if two else 1, tile_k=k)
+        p = problem_of(cfg, ProblemSpec(R=R))
+        model = {t.name: t.bytes for t in blackwell_orig_terms(cfg, p, dict(main=1, lora=1, epi=1), "per_cta")}
         assert {name: model[name] for name in got} == got, (m, n, k, two, R)

@@ -97,7 +97,7 @@ ACTIVATION_CASES = {f"activation {fmt}": fmt for fmt in ("int4", "int4_pg", "int
 
 def refused_cases() -> dict:
     "Configs the library refuses because they failed on the GPU, launched past that guard only to locate the fault."
-    return {f"refused v{v} int4 pair 64-row R={R}": (cfg(tile_m=64, cluster_n=2, lora_rank=R), R)
+    return {f"refused v{v} int4 pair 64-row R={R}": (cfg(tile_m=64, cluster_n=2), R)
             for v, cfg in ((1, configs.HopperV1Config), (2, configs.HopperV2Config)) for R in (32, 256)}
 
 def cases() -> list:

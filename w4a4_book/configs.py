@@ -6,55 +6,26 @@
 __all__ = ['PROMOTIONS', 'ABLATIONS', 'PG_GROUP', 'PG_LOOKUP_BYTES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS', 'KernelConfig',
            'HopperV1Config', 'hopper_v1_terms', 'HopperV2Config', 'decode_ring_barriers', 'hopper_v2_terms',
            'HopperPgConfig', 'lora_chunk_of', 'hopper_pg_terms', 'HopperPgSmemConfig', 'HopperPgV1Config',
-           'HopperPgStreamKConfig', 'hopper_pg_smem_terms', 'Sm100V1Config', 'sm100_tmem_columns', 'sm100_terms',
-           'Sm100V2Config', 'sm100_v2_terms', 'explain']
+           'HopperPgStreamKConfig', 'hopper_pg_smem_terms', 'Sm100V1Config', 'sm100_tmem_columns', 'Sm100V2Config',
+           'sm100_v2_terms', 'explain']
 
 # %% ../nbs/12a_configs.ipynb #633133ec
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
-import torch
-
-from .operands import Problem, fail
 from .smem import (
     DTYPE_BITS, GROUP_SIZE, LU_AT_PAIR, MBARRIER_BYTES, SWIZZLE_128B_ALIGN, TMA_SMEM_ALIGN, BlackwellOrigConfig, Family,
-    Term, blackwell_orig_terms, check_choice, check_config, check_int, given_stages, round_up, solve)
+    ProblemSpec, Term, blackwell_orig_terms, check_choice, check_config, check_int, given_stages, round_up, solve)
 
 # %% ../nbs/12a_configs.ipynb #4f0dc204
-def _field_value(v):
-    "A `Problem` attribute as a config field holds it: a torch dtype by its name."
-    return str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
-
 class KernelConfig:
-    """The base of a kernel's frozen config: its problem fields (`problem_fields`, each with the `operands.Problem`
-    attribute it follows) and its tuning fields, every other field. Made or replaced, a config is checked
-    (`smem.check_config`)."""
-    problem_fields: ClassVar[dict] = dict(lora_rank="R", out_dtype="out_dtype", lora_dtype="lora_dtype",
-                                          scale_dtype="scale_dtype")
+    """The base of a kernel's frozen config: its tuning alone. The problem it runs (the rank, K and element types) is
+    given beside it, to `smem.solve`; `dtypes` names the element types its kernel builds, the first of each its
+    default. Made or replaced, a config is checked (`smem.check_config`)."""
+    dtypes: ClassVar[dict] = dict(out_dtype=("bfloat16", "float16"), lora_dtype=("bfloat16", "float16"),
+                                  scale_dtype=("float16", "bfloat16"))
 
     def __post_init__(self): check_config(self)
-
-    @property
-    def problem(self) -> dict:
-        "The problem fields and their values."
-        return {name: getattr(self, name) for name in self.problem_fields}
-
-    @property
-    def tuning(self) -> dict:
-        "The tuning fields and their values: every field but the problem fields."
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.problem_fields}
-
-    def bind(self, p: Problem):
-        "This config with its problem fields set from `p`; raises naming a field the caller set to something else."
-        if not isinstance(p, Problem):
-            fail(TypeError, "problem", f"expected an operands.Problem, got {type(p).__name__}")
-        want = {name: _field_value(getattr(p, attr)) for name, attr in self.problem_fields.items()}
-        default = {f.name: f.default for f in fields(self)}
-        for name, v in want.items():
-            have = getattr(self, name)
-            if have != default[name] and have != v:
-                fail(ValueError, f"config.{name}", f"is {have!r}, but the operands give {v!r}; leave it at its default")
-        return replace(self, **want)
 
 # %% ../nbs/12a_configs.ipynb #cca4f81d
 @dataclass(frozen=True)
@@ -64,12 +35,8 @@ class HopperV1Config(KernelConfig):
     tile_n: int = 128               # per CTA
     tile_k: int = 128
     cluster_n: int = 1              # 2: a pair along N sharing the activation tile by TMA multicast
-    lora_rank: int = 0
     lora_stages: int = 1
     decode_stages: int = 1
-    out_dtype: str = "bfloat16"
-    lora_dtype: str = "bfloat16"
-    scale_dtype: str = "float16"
     epilogue: str = "tile"          # "tile": the output tile staged for one TMA store; "none": stored from registers
     lora_accounting: str = "per_cta"
     stages: int | None = None       # main stages; None: as many as fit
@@ -79,18 +46,20 @@ class HopperV1Config(KernelConfig):
     family: ClassVar[str] = "hopper_v1"
     kernel: ClassVar[str] = "v1"        # the registry row this config describes (chapter 13)
     mainloop: ClassVar[str] = "promote"
+    dtypes: ClassVar[dict] = dict(out_dtype=("bfloat16", "float16", "float32"), lora_dtype=("bfloat16", "float16"),
+                                  scale_dtype=("float16", "bfloat16"))
 
     @property
     def label(self) -> str:
         return (f"{self.family} {self.arch} {self.fmt} tile {self.tile_m}x{self.tile_n}x{self.tile_k} "
-                f"cluster_n={self.cluster_n} R={self.lora_rank} lora_accounting={self.lora_accounting}")
+                f"cluster_n={self.cluster_n} lora_accounting={self.lora_accounting}")
 
 # %% ../nbs/12a_configs.ipynb #211e7fb8
-def hopper_v1_terms(cfg: HopperV1Config, stages: dict, accounting: str) -> list:
-    "The Hopper v1 SharedStorage, field by field in declaration order, at the given stage counts."
+def hopper_v1_terms(cfg: HopperV1Config, p: ProblemSpec, stages: dict, accounting: str) -> list:
+    "The Hopper v1 SharedStorage at problem `p`, field by field in declaration order, at the given stage counts."
     S, D, L = stages["main"], stages["decode"], stages["lora"]
-    BM, BN, BK, R, G = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.lora_rank, GROUP_SIZE[cfg.fmt]
-    sb, lb, ob = (DTYPE_BITS[d] // 8 for d in (cfg.scale_dtype, cfg.lora_dtype, cfg.out_dtype))
+    BM, BN, BK, R, G = cfg.tile_m, cfg.tile_n, cfg.tile_k, p.R, GROUP_SIZE[cfg.fmt]
+    sb, lb, ob = (DTYPE_BITS[d] // 8 for d in (p.scale_dtype, p.lora_dtype, p.out_dtype))
     t = [Term.barriers("main_full", S, "main", "TMA transaction barrier: the stage's bytes have landed"),
          Term.barriers("main_empty", S, "main", "consumers hand the stage back to the TMA producer")]
     if R:
@@ -100,23 +69,23 @@ def hopper_v1_terms(cfg: HopperV1Config, stages: dict, accounting: str) -> list:
                "int4 activations as TMA lands them, two per byte"),
           Term("b_packed", S * BN * BK // 2, SWIZZLE_128B_ALIGN, "uint8", "main",
                "int4 weights of this CTA's N columns"),
-          Term("a_scales", S * BK // G * BM * sb, TMA_SMEM_ALIGN, cfg.scale_dtype, "main",
+          Term("a_scales", S * BK // G * BM * sb, TMA_SMEM_ALIGN, p.scale_dtype, "main",
                "a scale per row and K group, one TMA box"),
-          Term("b_scales", S * BK // G * BN * sb, TMA_SMEM_ALIGN, cfg.scale_dtype, "main",
+          Term("b_scales", S * BK // G * BN * sb, TMA_SMEM_ALIGN, p.scale_dtype, "main",
                "a scale per column and K group, one TMA box"),
           Term("a_decoded", D * BM * BK, SWIZZLE_128B_ALIGN, "int8", "decode",
                "8-bit copy wgmma reads: sm_90 has no 4-bit MMA"),
           Term("b_decoded", D * BN * BK, SWIZZLE_128B_ALIGN, "int8", "decode", "wgmma reads B only from shared memory")]
     if R:
         up_cols = BN * cfg.cluster_n if accounting in LU_AT_PAIR else BN
-        t += [Term("lora_act", L * BM * R * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
+        t += [Term("lora_act", L * BM * R * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
                    "the tile's BM x R LoRA activation rows"),
-              Term("lora_up", L * up_cols * R * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
+              Term("lora_up", L * up_cols * R * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
                    "this CTA's BN x R up-projection rows" if up_cols == BN
                    else "charged for the cluster's N columns: the historical bug")]
     staged = cfg.epilogue == "tile"
-    t += [Term("affine", 0, 1, cfg.out_dtype, None, "wcscales and bias are read from global memory in the epilogue"),
-          Term("epilogue", BM * BN * ob if staged else 0, SWIZZLE_128B_ALIGN, cfg.out_dtype, None,
+    t += [Term("affine", 0, 1, p.out_dtype, None, "wcscales and bias are read from global memory in the epilogue"),
+          Term("epilogue", BM * BN * ob if staged else 0, SWIZZLE_128B_ALIGN, p.out_dtype, None,
                "the output tile staged for one TMA store" if staged else "stored straight from registers")]
     return t
 
@@ -127,9 +96,6 @@ def _check_hopper_v1(cfg):
     check_int(cfg, "tile_k", GROUP_SIZE[cfg.fmt], multiple=GROUP_SIZE[cfg.fmt], why="a K tile holds whole scale groups")
     check_int(cfg, "cluster_n", 1, 2)
     check_int(cfg, "decode_stages")
-    check_choice(cfg, "out_dtype", ("bfloat16", "float16", "float32"))
-    check_choice(cfg, "lora_dtype", ("bfloat16", "float16"))
-    check_choice(cfg, "scale_dtype", ("bfloat16", "float16"))
     check_choice(cfg, "epilogue", ("tile", "none"))
 
 HopperV1Config.rules = Family(hopper_v1_terms, _check_hopper_v1, given_stages, archs=("sm_90",), fmt="int4")
@@ -150,17 +116,17 @@ def decode_ring_barriers(stages: int) -> list:
     return [Term.barriers("dec_full", stages, "decode", "the decode warpgroup has filled a decoded stage"),
             Term.barriers("dec_empty", stages, "decode", "the MMA warpgroups hand a decoded stage back")]
 
-def hopper_v2_terms(cfg: HopperV2Config, stages: dict, accounting: str) -> list:
+def hopper_v2_terms(cfg: HopperV2Config, p: ProblemSpec, stages: dict, accounting: str) -> list:
     "v1's SharedStorage plus the decode ring's barriers and each decoded stage's copy of the scales."
     D, BM, BN, BK, G = stages["decode"], cfg.tile_m, cfg.tile_n, cfg.tile_k, GROUP_SIZE[cfg.fmt]
-    sb = DTYPE_BITS[cfg.scale_dtype] // 8
-    t = hopper_v1_terms(cfg, stages, accounting)
+    sb = DTYPE_BITS[p.scale_dtype] // 8
+    t = hopper_v1_terms(cfg, p, stages, accounting)
     after = lambda name: next(i for i, x in enumerate(t) if x.name == name) + 1
     t[after("main_empty"):after("main_empty")] = decode_ring_barriers(D)
     t[after("b_decoded"):after("b_decoded")] = [
-        Term("a_scales_dec", D * BK // G * BM * sb, TMA_SMEM_ALIGN, cfg.scale_dtype, "decode",
+        Term("a_scales_dec", D * BK // G * BM * sb, TMA_SMEM_ALIGN, p.scale_dtype, "decode",
              "the stage's row scales, copied so the packed stage frees early"),
-        Term("b_scales_dec", D * BK // G * BN * sb, TMA_SMEM_ALIGN, cfg.scale_dtype, "decode",
+        Term("b_scales_dec", D * BK // G * BN * sb, TMA_SMEM_ALIGN, p.scale_dtype, "decode",
              "the stage's column scales, likewise")]
     return t
 
@@ -187,13 +153,9 @@ class HopperPgConfig(KernelConfig):
     tile_n: int = 128               # weight rows of a tile, 64 per MMA warpgroup: wgmma M
     tile_k: int = 128
     cluster_n: int = 1              # 2: a pair along N sharing the activation tile and LoRA activations by multicast
-    lora_rank: int = 0
     lora_stages: int = 1
     # rank columns per LoRA stage: None, the whole rank; less, chunks streamed through the ring
     lora_chunk: int | None = None
-    out_dtype: str = "bfloat16"
-    lora_dtype: str = "bfloat16"
-    scale_dtype: str = "uint8"      # the weights' u
     epi_stages: int = 2             # output sub-tiles in flight per MMA warpgroup (a ring, stored by TMA)
     epi_tile_m: int = 32            # activation rows of an output sub-tile (it has 64 weight rows)
     # hold a tile's finished output in registers and store it while the next tile's first block runs
@@ -208,24 +170,28 @@ class HopperPgConfig(KernelConfig):
     family: ClassVar[str] = "hopper_pg"
     kernel: ClassVar[str] = "v2"
     mainloop: ClassVar[str] = "rs"
+    # the weights' scales are their u, one byte each
+    dtypes: ClassVar[dict] = dict(out_dtype=("bfloat16", "float16"), lora_dtype=("bfloat16", "float16"),
+                                  scale_dtype=("uint8",))
 
     @property
     def label(self) -> str:
         return (f"{self.family} {self.arch} {self.fmt} tile {self.tile_m}x{self.tile_n}x{self.tile_k} "
-                f"cluster_n={self.cluster_n} R={self.lora_rank} lora_accounting={self.lora_accounting}"
+                f"cluster_n={self.cluster_n} lora_accounting={self.lora_accounting}"
                 + (f" lora_chunk={self.lora_chunk}" if self.lora_chunk is not None else ""))
 
 # %% ../nbs/12a_configs.ipynb #d6281209
-def lora_chunk_of(cfg) -> int:
-    "The rank columns one LoRA stage of `cfg` holds: `lora_chunk`, at most the rank; the whole rank when None."
-    return min(cfg.lora_chunk or cfg.lora_rank, cfg.lora_rank)
+def lora_chunk_of(cfg, R: int) -> int:
+    "The rank columns one LoRA stage of `cfg` holds at rank `R`: `lora_chunk`, at most `R`; all of `R` when None."
+    return min(cfg.lora_chunk or R, R)
 
 # %% ../nbs/12a_configs.ipynb #6ed3a9db
-def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
-    "The exact-integer mainloop's SharedStorage, field by field in declaration order, at the given stage counts."
+def hopper_pg_terms(cfg: HopperPgConfig, p: ProblemSpec, stages: dict, accounting: str) -> list:
+    """The exact-integer mainloop's SharedStorage at problem `p`, field by field in declaration order, at the given
+    stage counts."""
     S, L = stages["main"], stages["lora"]
-    BM, BN, BK, R = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.lora_rank
-    lb, ob = DTYPE_BITS[cfg.lora_dtype] // 8, DTYPE_BITS[cfg.out_dtype] // 8
+    BM, BN, BK, R = cfg.tile_m, cfg.tile_n, cfg.tile_k, p.R
+    lb, ob = DTYPE_BITS[p.lora_dtype] // 8, DTYPE_BITS[p.out_dtype] // 8
     t = [Term.barriers("main_full", S, "main", "TMA transaction barrier: the stage's three boxes have landed"),
          Term.barriers("main_empty", S, "main", "the MMA warpgroups (of both CTAs of a pair) hand the stage back")]
     if R:
@@ -241,15 +207,15 @@ def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
                "the weights' u, one byte per row and group"),
           Term("act", S * BM * BK, SWIZZLE_128B_ALIGN, "int8", "main", "int8 q*u activations, wgmma's B operand")]
     if R:
-        C = lora_chunk_of(cfg)                 # a LoRA stage holds C of the rank's columns
+        C = lora_chunk_of(cfg, R)              # a LoRA stage holds C of the rank's columns
         up_rows = BN * cfg.cluster_n if accounting in LU_AT_PAIR else BN
-        t += [Term("lora_act", L * BM * C * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
+        t += [Term("lora_act", L * BM * C * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
                    "the tile's BM x C LoRA activation rows"),
-              Term("lora_up", L * up_rows * C * lb, SWIZZLE_128B_ALIGN, cfg.lora_dtype, "lora",
+              Term("lora_up", L * up_rows * C * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
                    "this CTA's BN x C up-projection rows" if up_rows == BN
                    else "charged for the cluster's N rows: the historical bug")]
     E = stages["epi"]
-    t.append(Term("epilogue", E * BN * cfg.epi_tile_m * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "epi",
+    t.append(Term("epilogue", E * BN * cfg.epi_tile_m * ob, SWIZZLE_128B_ALIGN, p.out_dtype, "epi",
                   "per MMA warpgroup, a ring of 64 x epi_tile_m output sub-tiles, transposed by stmatrix, "
                   "for the TMA store"))
     if cfg.epi_vectors == "smem":   # last: its 16-byte alignment pads nothing after it
@@ -257,7 +223,7 @@ def hopper_pg_terms(cfg: HopperPgConfig, stages: dict, accounting: str) -> list:
                       "per MMA warpgroup, the tile's BM base_a and its 64 columns' base_w, wcscales and bias in fp32, "
                       "loaded before the K-loop and stored after it by the MMA warps"))
     else:
-        t.append(Term("affine", 0, 1, cfg.out_dtype, None,
+        t.append(Term("affine", 0, 1, p.out_dtype, None,
                       "bases, wcscales and bias are read from global memory in the epilogue"))
     return t
 
@@ -273,20 +239,19 @@ def _check_hopper_pg(cfg):
         raise ValueError(f"epi_tile_m={cfg.epi_tile_m}: must divide tile_m={cfg.tile_m}")
     check_int(cfg, "epi_stages", 1, cfg.tile_m // cfg.epi_tile_m,
               why="at most the tile's sub-tiles: with all of them, no sub-tile waits for a buffer")
-    check_choice(cfg, "out_dtype", ("bfloat16", "float16"))
-    check_choice(cfg, "lora_dtype", ("bfloat16", "float16"))
-    check_choice(cfg, "scale_dtype", ("uint8",))
     check_choice(cfg, "epi_deferred", (False, True))
     check_choice(cfg, "epi_vectors", ("smem", "global"))
     if cfg.lora_chunk is not None:
         check_int(cfg, "lora_chunk", 16, 256, 16, "whole 16-deep MMAs of the LoRA product")
-        if cfg.lora_rank and cfg.lora_rank % lora_chunk_of(cfg):
-            raise ValueError(f"lora_chunk={cfg.lora_chunk}: must divide lora_rank={cfg.lora_rank} (or exceed it)")
+
+def _check_pg_problem(cfg, p):
+    if p.R and p.R % lora_chunk_of(cfg, p.R):
+        raise ValueError(f"lora_chunk={cfg.lora_chunk}: must divide the rank R={p.R} (or exceed it)")
 
 # NOTES: the register-sourced mainloop decodes K-block k+1 while block k's wgmmas run, and frees k's stage only
 # once k+1's has landed: it holds two stages at once, so one stage would wait on itself forever.
 HopperPgConfig.rules = Family(hopper_pg_terms, _check_hopper_pg, given_stages, archs=("sm_90",), fmt="int4_pg",
-                              min_stages=2)
+                              min_stages=2, check_problem=_check_pg_problem)
 
 # %% ../nbs/12a_configs.ipynb #ce34b709
 @dataclass(frozen=True)
@@ -315,10 +280,10 @@ class HopperPgStreamKConfig(HopperPgConfig):
     kernel: ClassVar[str] = "v2sk"
 
 # %% ../nbs/12a_configs.ipynb #06c3c18b
-def hopper_pg_smem_terms(cfg: HopperPgSmemConfig, stages: dict, accounting: str) -> list:
+def hopper_pg_smem_terms(cfg: HopperPgSmemConfig, p: ProblemSpec, stages: dict, accounting: str) -> list:
     "The register-decode layout plus the decoded ring: its barriers and `decode_stages` int8 weight tiles."
     D = stages["decode"]
-    t = hopper_pg_terms(cfg, stages, accounting)
+    t = hopper_pg_terms(cfg, p, stages, accounting)
     after = lambda name: next(i for i, x in enumerate(t) if x.name == name) + 1
     t[after("main_empty"):after("main_empty")] = decode_ring_barriers(D)
     t[after("act"):after("act")] = [
@@ -331,7 +296,9 @@ def _check_hopper_pg_v1(cfg):
     _check_hopper_pg(cfg)
     check_choice(cfg, "epi_deferred", (False,), "only the register-decode kernel on whole tiles holds a tile's output")
     check_int(cfg, "tile_m", 64, 256, 64, "v1 is verified on whole 64-row blocks of activations")
-    if lora_chunk_of(cfg) != cfg.lora_rank:
+
+def _check_pg_v1_problem(cfg, p):
+    if lora_chunk_of(cfg, p.R) != p.R:
         raise ValueError(f"lora_chunk={cfg.lora_chunk}: v1 loads a tile's LoRA blocks whole, before its K-loop")
 
 def _check_hopper_pg_sk(cfg):
@@ -346,7 +313,7 @@ def _check_hopper_pg_smem(cfg):
               "512 threads leave each 128 registers at launch, and a 64 x tile_m int32 accumulator takes tile_m / 2")
     check_int(cfg, "decode_stages", 1, 4)
 
-HopperPgV1Config.rules = replace(HopperPgConfig.rules, check=_check_hopper_pg_v1)
+HopperPgV1Config.rules = replace(HopperPgConfig.rules, check=_check_hopper_pg_v1, check_problem=_check_pg_v1_problem)
 HopperPgStreamKConfig.rules = replace(HopperPgConfig.rules, check=_check_hopper_pg_sk)
 HopperPgSmemConfig.rules = Family(hopper_pg_smem_terms, _check_hopper_pg_smem, given_stages, archs=("sm_90",),
                                   fmt="int4_pg")
@@ -360,12 +327,12 @@ class Sm100V1Config(BlackwellOrigConfig, KernelConfig):
     tile_n: int = 256               # MMA N: the tile's columns, split over the pair when cta_group=2
     cta_group: int = 1              # 2: the naive pair, one MMA spanning two CTAs
     epi_stages: int = 2             # fixed: the kernel's TMA-store ring (no fill)
-    out_dtype: str = "bfloat16"
-    lora_dtype: str = "bfloat16"    # bf16 only: the pre-scaled LoRA up-projection needs bf16's range
-    scale_dtype: str = "float8_e4m3fn"
     family: ClassVar[str] = "sm100_v1"
     kernel: ClassVar[str] = "v1"
     mainloop: ClassVar[str] = "block_scaled"
+    # bf16 LoRA blocks only: the pre-scaled up-projection needs bf16's range; NVFP4's E4M3 block scales
+    dtypes: ClassVar[dict] = dict(out_dtype=("bfloat16", "float16"), lora_dtype=("bfloat16",),
+                                  scale_dtype=("float8_e4m3fn",))
 
 # %% ../nbs/12a_configs.ipynb #6836f30c
 TMEM_COLUMNS = 512          # tensor memory per SM: 128 lanes x 512 32-bit columns
@@ -381,42 +348,33 @@ def sm100_tmem_columns(cfg) -> dict:
     cols["alloc"] = next(c for c in (32, 64, 128, 256, 512, 1 << 30) if c >= cols["total"])
     return cols
 
-def sm100_terms(cfg: Sm100V1Config, stages: dict, accounting: str) -> list:
-    "The sm_100 kernels' SharedStorage: the original's layout, with the LoRA blocks in `cfg.lora_dtype`."
-    lora = ("lora_act", "lora_up")
-    return [replace(t, dtype=cfg.lora_dtype) if t.name in lora else t
-            for t in blackwell_orig_terms(cfg, stages, accounting)]
-
 def _check_sm100(cfg):
     BlackwellOrigConfig.rules.check(cfg)
-    if cfg.lora_rank:
-        check_choice(cfg, "lora_dtype", ("bfloat16",),
-                     "the LoRA up-projection is pre-scaled by 1/(gs_a*gs_w), out of fp16's range")
-    check_choice(cfg, "scale_dtype", ("float8_e4m3fn",), "NVFP4's block scales")
     check_int(cfg, "epi_stages", 1, 4)
     check_int(cfg, "lora_stages", 1, 1, why="the LoRA blocks are loaded once per tile")
     cols = sm100_tmem_columns(cfg)
     if cols["alloc"] > TMEM_COLUMNS:
         raise ValueError(f"tile_n={cfg.tile_n}: needs {cols['total']} TMEM columns > {TMEM_COLUMNS}")
 
-Sm100V1Config.rules = replace(BlackwellOrigConfig.rules, terms=sm100_terms, check=_check_sm100, fill=None)
+# the original's layout, its LoRA blocks in the problem's LoRA dtype (bf16), which need not be the output's
+Sm100V1Config.rules = replace(BlackwellOrigConfig.rules, check=_check_sm100, fill=None, check_problem=None)
 
 # %% ../nbs/12a_configs.ipynb #d1072716
 @dataclass(frozen=True)
 class Sm100V2Config(Sm100V1Config):
     """sm_100 v2: warp-specialised and persistent, `cta_group=2` pair tiles of 256x256 by default; v1's shared-memory
-    layout (`sm100_terms`) with one full and one empty barrier per TMEM accumulator stage (`acc_stages`)."""
+    layout (`blackwell_orig_terms`) with one full and one empty barrier per TMEM accumulator stage (`acc_stages`)."""
     tile_m: int = 256               # the pair's MMA M
     cta_group: int = 2
     acc_stages: int = 1             # TMEM accumulators: two of 256 columns would leave none for the scales
     family: ClassVar[str] = "sm100_v2"
     kernel: ClassVar[str] = "v2"
 
-def sm100_v2_terms(cfg: Sm100V2Config, stages: dict, accounting: str) -> list:
-    "v2's SharedStorage: `sm100_terms` with `acc_stages` accumulator barriers each way."
+def sm100_v2_terms(cfg: Sm100V2Config, p: ProblemSpec, stages: dict, accounting: str) -> list:
+    "v2's SharedStorage: v1's (`blackwell_orig_terms`) with `acc_stages` accumulator barriers each way."
     acc = ("acc_full", "acc_empty")
     return [replace(t, bytes=MBARRIER_BYTES * cfg.acc_stages) if t.name in acc else t
-            for t in sm100_terms(cfg, stages, accounting)]
+            for t in blackwell_orig_terms(cfg, p, stages, accounting)]
 
 def _check_sm100_v2(cfg):
     check_int(cfg, "acc_stages", 1, 2)
@@ -431,30 +389,31 @@ Sm100V2Config.rules = replace(Sm100V1Config.rules, terms=sm100_v2_terms, check=_
 
 # %% ../nbs/12a_configs.ipynb #f8908a15
 CONFIGS = {
-    "v1": HopperV1Config(),
-    "v1-r32": HopperV1Config(lora_rank=32),
-    "v1-r128": HopperV1Config(lora_rank=128),
-    "v1-2cta-r32": HopperV1Config(cluster_n=2, lora_rank=32),
-    "v1-2cta-r128": HopperV1Config(cluster_n=2, lora_rank=128),
-    "v2-r32": HopperV2Config(lora_rank=32),
-    "v2-r128": HopperV2Config(lora_rank=128),
-    "v2-2cta-r32": HopperV2Config(cluster_n=2, lora_rank=32),
-    "v2-2cta-r128": HopperV2Config(cluster_n=2, lora_rank=128),
-    "pg-r32": HopperPgConfig(lora_rank=32),
-    "pg-r128": HopperPgConfig(lora_rank=128),
-    "pg-2cta-r32": HopperPgConfig(cluster_n=2, lora_rank=32),
-    "pg-2cta-r128": HopperPgConfig(cluster_n=2, lora_rank=128),
-    "pg-smem-r32": HopperPgSmemConfig(lora_rank=32),
-    "orig-256x256-r32": BlackwellOrigConfig(lora_rank=32),
-    "orig-256x256-r128": BlackwellOrigConfig(lora_rank=128),
-    "orig-256x128-r128": BlackwellOrigConfig(tile_n=128, lora_rank=128),
-    "orig-256x128-r128-l2": BlackwellOrigConfig(tile_n=128, lora_rank=128, lora_stages=2),
+    "v1": (HopperV1Config(), ProblemSpec()),
+    "v1-r32": (HopperV1Config(), ProblemSpec(R=32)),
+    "v1-r128": (HopperV1Config(), ProblemSpec(R=128)),
+    "v1-2cta-r32": (HopperV1Config(cluster_n=2), ProblemSpec(R=32)),
+    "v1-2cta-r128": (HopperV1Config(cluster_n=2), ProblemSpec(R=128)),
+    "v2-r32": (HopperV2Config(), ProblemSpec(R=32)),
+    "v2-r128": (HopperV2Config(), ProblemSpec(R=128)),
+    "v2-2cta-r32": (HopperV2Config(cluster_n=2), ProblemSpec(R=32)),
+    "v2-2cta-r128": (HopperV2Config(cluster_n=2), ProblemSpec(R=128)),
+    "pg-r32": (HopperPgConfig(), ProblemSpec(R=32)),
+    "pg-r128": (HopperPgConfig(), ProblemSpec(R=128)),
+    "pg-2cta-r32": (HopperPgConfig(cluster_n=2), ProblemSpec(R=32)),
+    "pg-2cta-r128": (HopperPgConfig(cluster_n=2), ProblemSpec(R=128)),
+    "pg-smem-r32": (HopperPgSmemConfig(), ProblemSpec(R=32)),
+    "orig-256x256-r32": (BlackwellOrigConfig(), ProblemSpec(R=32)),
+    "orig-256x256-r128": (BlackwellOrigConfig(), ProblemSpec(R=128)),
+    "orig-256x128-r128": (BlackwellOrigConfig(tile_n=128), ProblemSpec(R=128)),
+    "orig-256x128-r128-l2": (BlackwellOrigConfig(tile_n=128, lora_stages=2), ProblemSpec(R=128)),
 }
 
 # %% ../nbs/12a_configs.ipynb #14d02225
-def explain(cfg, *, k: int | None = None) -> str:
-    "The budget table for `cfg`: a config, or a name in `CONFIGS`."
+def explain(cfg, problem=None) -> str:
+    "The budget table for config `cfg` running `problem`, or for a name in `CONFIGS` (its own problem)."
     if isinstance(cfg, str):
         if cfg not in CONFIGS: raise ValueError(f"cfg={cfg!r}: not one of {sorted(CONFIGS)}")
-        cfg = CONFIGS[cfg]
-    return str(solve(cfg, k=k))
+        if problem is not None: raise TypeError(f"problem: {cfg!r} names its own problem; give none")
+        cfg, problem = CONFIGS[cfg]
+    return str(solve(cfg, problem))

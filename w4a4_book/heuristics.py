@@ -47,7 +47,7 @@ def tile_choice(config, problem, num_sms=None):
         try:
             c = replace(config, tile_m=tm, epi_tile_m=epi_tm, epi_stages=epi, epi_vectors=vectors,
                         epi_deferred=deferred)
-            stages = smem.solve(c.bind(problem), k=problem.K).stages["main"]
+            stages = smem.solve(c, problem).stages["main"]
         except ValueError:                       # a tile this config cannot take, or not even one stage fits
             continue
         tiles = -(-problem.M // tm) * (problem.N // c.tile_n)

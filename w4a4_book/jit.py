@@ -37,7 +37,7 @@ def check(config, p: Problem) -> Problem:
 def build(config, p: Problem, num_sms: int = DEFAULT_NUM_SMS):
     "The kernel object of `config` for problem `p` (not yet compiled) and its budget."
     check(config, p)
-    budget = smem.solve(config.bind(p), k=p.K)
+    budget = smem.solve(config, p)
     return spec_for(config).kernel_class()(budget, p, num_sms), budget
 
 # %% ../nbs/13f_jit.ipynb #b1dea5fb

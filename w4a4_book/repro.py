@@ -37,16 +37,17 @@ def _check_ranks(ranks, name: str = "ranks") -> None:
         raise ValueError(f"ranks: {bad} are not positive multiples of 16 (a 16-bit MMA is 16 deep)")
     if bad: raise ValueError(f"{name}: {bad[0]} is not a positive multiple of 16 (a 16-bit MMA is 16 deep)")
 
-def _main_stages(config, **solve):
-    "Main stages the solver gives `config`, or 0 where not one fits (the row keeps the solver's reason)."
+def _main_stages(config, problem):
+    "Main stages the solver gives `config` at `problem`, or 0 where not one fits (the row keeps the solver's reason)."
     try:
-        return smem.solve(config, **solve).stages["main"], None
+        return smem.solve(config, problem).stages["main"], None
     except ValueError as e:
         return 0, str(e)
 
-def _lora_charges(cfg) -> dict:
-    "Bytes `cfg`'s accounting charges each CTA per LoRA stage: `{'LA': ..., 'LU': ...}`."
-    terms = smem.blackwell_orig_terms(cfg, dict(main=1, lora=1, epi=1), cfg.lora_accounting)
+def _lora_charges(cfg, R: int) -> dict:
+    "Bytes `cfg`'s accounting charges each CTA per LoRA stage at rank `R`: `{'LA': ..., 'LU': ...}`."
+    p = smem.problem_of(cfg, smem.ProblemSpec(R=R))
+    terms = smem.blackwell_orig_terms(cfg, p, dict(main=1, lora=1, epi=1), cfg.lora_accounting)
     return {name: next(t.bytes for t in terms if t.name == term)
             for name, term in (("LA", "lora_act"), ("LU", "lora_up"))}
 
@@ -56,10 +57,10 @@ def original_history(R: int = ORIGINAL_RANK) -> list:
     _check_ranks([R], "R")
     rows = []
     for step, commit, acct, L in ORIGINAL_STEPS:
-        cfg = replace(ORIGINAL, lora_rank=R, lora_stages=L, lora_accounting=acct)
-        main, _ = _main_stages(cfg)
-        rows.append(dict(step=step, commit=commit, accounting=acct, lora_stages=L, **_lora_charges(cfg),
-                         main_stages=main, epi_stages=smem.solve(cfg).stages["epi"] if main else 0))
+        cfg, p = replace(ORIGINAL, lora_stages=L, lora_accounting=acct), smem.ProblemSpec(R=R)
+        main, _ = _main_stages(cfg, p)
+        rows.append(dict(step=step, commit=commit, accounting=acct, lora_stages=L, **_lora_charges(cfg, R),
+                         main_stages=main, epi_stages=smem.solve(cfg, p).stages["epi"] if main else 0))
     return rows
 
 # %% ../nbs/07_lora_bug.ipynb #a43a471b
@@ -83,16 +84,17 @@ def published_budget() -> dict:
 def model_budget(R: int = ORIGINAL_RANK) -> dict:
     "`published_budget`'s quantities from the solver's model of the original (`ORIGINAL`, the second fix's accounting)."
     _check_ranks([R], "R")
-    cfg = replace(ORIGINAL, lora_rank=R)
-    one = {t.name: t.bytes for t in smem.blackwell_orig_terms(cfg, dict(main=1, lora=1, epi=1), FIX)}
+    cfg = ORIGINAL
+    p = smem.problem_of(cfg, smem.ProblemSpec(R=R))
+    one = {t.name: t.bytes for t in smem.blackwell_orig_terms(cfg, p, dict(main=1, lora=1, epi=1), FIX)}
     terms = dict(capacity=smem.ARCHS[cfg.arch].smem_per_block, LA=one["lora_act"], LU=one["lora_up"],
                  main_stage=sum(one[n] for n in ("a_packed", "b_packed", "a_scales", "b_scales")),
                  epi_stage=one["epilogue"])
     fit = {}
     for L in range(len(PUBLISHED_FEASIBLE)):
-        c = replace(cfg, lora_rank=R if L else 0, lora_stages=max(L, 1))
-        main, _ = _main_stages(c)
-        fit[L] = (smem.solve(c).stages["epi"], main) if main else None
+        c, pl = replace(cfg, lora_stages=max(L, 1)), smem.ProblemSpec(R=R if L else 0)
+        main, _ = _main_stages(c, pl)
+        fit[L] = (smem.solve(c, pl).stages["epi"], main) if main else None
     return dict(terms=terms, fit=fit)
 
 # %% ../nbs/07_lora_bug.ipynb #de906b56
@@ -171,16 +173,16 @@ def accounting_rows(ranks=LORA_BUG_RANKS, cluster_n=LORA_BUG_CONFIG.cluster_n, b
     rows = []
     for base in bases:
         for r in ranks:
-            cfg = replace(base, cluster_n=cluster_n, lora_rank=r)
+            cfg, p = replace(base, cluster_n=cluster_n), smem.ProblemSpec(R=r)
             for acct in (BUG, FIX):
                 c = replace(cfg, lora_accounting=acct)
-                smem.check_config(c)                 # a bad rank or cluster size raises here, naming the field
+                smem.problem_of(c, p)                # a rank the kernel cannot build raises here, naming it
                 row = dict(config=f"{config_label(cfg)} R={r}", accounting=acct)
-                stages, why = _main_stages(c)
+                stages, why = _main_stages(c, p)
                 if why is not None:                  # a valid config in which not one main stage fits
                     rows.append({**row, "main_stages": 0, "note": why})
                     continue
-                b = smem.solve(c)
+                b = smem.solve(c, p)
                 rows.append({**row, "main_stages": stages, "charged": b.total, "allocated": b.allocated,
                              "phantom": b.total - b.allocated})
     return rows
@@ -194,21 +196,23 @@ MOVE_CHUNKS = (None, 16, 32, 64, 128)   # LoRA chunks tried where a family strea
 MOVE_LORA_STAGES = (1, 2, 3, 4)
 
 def _candidates(ranks, lora_stages):
-    "Every valid 2-CTA config of `MOVE_FAMILIES` at each rank, tile height, LoRA stage count and effective chunk."
+    """Every valid 2-CTA config of `MOVE_FAMILIES` at each rank, tile height, LoRA stage count and effective chunk:
+    `(config, R)` pairs."""
     seen = set()
     for fam in MOVE_FAMILIES:
         chunks = MOVE_CHUNKS if "lora_chunk" in fam.__dataclass_fields__ else (None,)
         for tile_m, R, L, chunk in ((t, R, L, c) for t in range(64, 257, 16) for R in ranks for L in lora_stages
                                     for c in chunks):
-            try:                             # a config checks itself when made (`smem.check_config`)
-                cfg = fam(tile_m=tile_m, cluster_n=2, lora_rank=R, lora_stages=L,
-                          **({} if chunk is None else dict(lora_chunk=chunk)))
+            try:                             # a config checks itself when made, its problem when solved
+                ring = {} if chunk is None else dict(lora_chunk=chunk)
+                cfg = fam(tile_m=tile_m, cluster_n=2, lora_stages=L, **ring)
+                smem.problem_of(cfg, smem.ProblemSpec(R=R))
             except ValueError:
                 continue
-            key = (fam, tile_m, R, L, configs.lora_chunk_of(cfg) if chunk else R)
+            key = (fam, tile_m, R, L, configs.lora_chunk_of(cfg, R) if chunk else R)
             if key not in seen:
                 seen.add(key)
-                yield cfg
+                yield cfg, R
 
 # %% ../nbs/07_lora_bug.ipynb #ffd32516
 def find_moves(k: int = 3840, ranks=LORA_BUG_RANKS, lora_stages=MOVE_LORA_STAGES) -> list:
@@ -219,12 +223,12 @@ def find_moves(k: int = 3840, ranks=LORA_BUG_RANKS, lora_stages=MOVE_LORA_STAGES
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k: must be a positive int, the K of the problem, got {k!r}")
     rows = []
-    for cfg in _candidates(ranks, lora_stages):
-        fix, _ = _main_stages(replace(cfg, lora_accounting=FIX), k=k)
-        bug, _ = _main_stages(replace(cfg, lora_accounting=BUG), k=k)
+    for cfg, R in _candidates(ranks, lora_stages):
+        fix, _ = _main_stages(replace(cfg, lora_accounting=FIX), smem.ProblemSpec(R=R, K=k))
+        bug, _ = _main_stages(replace(cfg, lora_accounting=BUG), smem.ProblemSpec(R=R, K=k))
         if fix >= MOVE_DEEP and bug <= MOVE_SHALLOW:
-            rows.append(dict(config=config_label(cfg), tile_m=cfg.tile_m, R=cfg.lora_rank, lora_stages=cfg.lora_stages,
-                             lora_chunk=configs.lora_chunk_of(cfg) if hasattr(cfg, "lora_chunk") else cfg.lora_rank,
+            rows.append(dict(config=config_label(cfg), tile_m=cfg.tile_m, R=R, lora_stages=cfg.lora_stages,
+                             lora_chunk=configs.lora_chunk_of(cfg, R) if hasattr(cfg, "lora_chunk") else R,
                              stages_per_cta=fix, stages_pair=bug,
                              bug_builds=bug >= smem.family_of(cfg).min_stages))
     return rows
@@ -283,8 +287,7 @@ def measure_lora_bug(problems=LORA_BUG_PROBLEMS, *, config=LORA_BUG_CONFIG, swee
     rows = []
     for M, N, K, R in problems:
         w = workloads.make_workload(M, N, K, R, fmt=keys["fmt"])
-        budgets = {a: _main_stages(replace(config, lora_accounting=a).bind(w.problem), k=K)
-                   for a in (BUG, FIX)}
+        budgets = {a: _main_stages(replace(config, lora_accounting=a), w.problem) for a in (BUG, FIX)}
         if budgets[FIX][0] == 0:
             if not quiet:
                 print(f"{label} {M}x{N}x{K} R={R}: no main stage fits even under the fix; left out", flush=True)
@@ -297,7 +300,7 @@ def measure_lora_bug(problems=LORA_BUG_PROBLEMS, *, config=LORA_BUG_CONFIG, swee
             if budgets[acct][0] == 0:            # the bug leaves no stage: the kernel cannot be built at all
                 out[acct] = dict(row, tflops=None, mfu=None, note=budgets[acct][1])
                 continue
-            budget = smem.solve(cfg.bind(w.problem), k=K)     # the budget the launched kernel is built with
+            budget = smem.solve(cfg, w.problem)     # the budget the launched kernel is built with
             out[acct] = dict(row, charged=budget.total, allocated=budget.allocated,
                              **_time_build(w, cfg, ref, gpu, iters, warmup))
         b, f = out[BUG], out[FIX]
@@ -477,7 +480,7 @@ def measure_ladder(fmt: str = "int4", problems=LADDER_PROBLEMS, *, iters=30, war
             if cfg is None:
                 rows.append({**row, "tflops": None, "note": f"no {rung.split()[0]} kernel computes {fmt} yet"})
                 continue
-            stages = smem.solve(cfg.bind(w.problem), k=K).stages["main"]
+            stages = smem.solve(cfg, w.problem).stages["main"]
             rows.append({**row, "config": config_label(cfg), "main_stages": stages,
                          **_time_build(w, cfg, ref, gpu, iters, warmup)})
             if not quiet:

@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALIGN', 'SWIZZLE_128B_ALIGN', 'DTYPE_BITS',
-           'STAGE_KINDS', 'LORA_ACCOUNTING', 'LA_AT_PAIR', 'LU_AT_PAIR', 'GROUP_SIZE', 'SM100_EPI_TILE', 'BUDGET_KINDS',
-           'ArchFacts', 'Term', 'round_up', 'struct_layout', 'BlackwellOrigConfig', 'blackwell_orig_terms', 'check_int',
-           'check_choice', 'Family', 'given_stages', 'family_of', 'check_config', 'Budget', 'solve', 'budget_segments',
-           'plot_budgets']
+           'STAGE_KINDS', 'PROBLEM_DTYPES', 'LORA_ACCOUNTING', 'LA_AT_PAIR', 'LU_AT_PAIR', 'GROUP_SIZE',
+           'SM100_EPI_TILE', 'BUDGET_KINDS', 'ArchFacts', 'Term', 'round_up', 'struct_layout', 'ProblemSpec',
+           'BlackwellOrigConfig', 'blackwell_orig_terms', 'check_int', 'check_choice', 'Family', 'given_stages',
+           'family_of', 'check_config', 'problem_of', 'Budget', 'solve', 'budget_segments', 'plot_budgets']
 
 # %% ../nbs/06_budget.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
@@ -46,6 +46,7 @@ SWIZZLE_128B_ALIGN = 1024
 DTYPE_BITS = {"int64": 64, "int32": 32, "uint32": 32, "float32": 32, "bfloat16": 16, "float16": 16,
               "uint8": 8, "int8": 8, "float8_e4m3fn": 8, "float4_e2m1fn": 4}
 STAGE_KINDS = ("main", "decode", "lora", "epi")
+PROBLEM_DTYPES = ("out_dtype", "lora_dtype", "scale_dtype")   # a problem's element types a budget reads
 
 # %% ../nbs/06_budget.ipynb #f1f14c54
 @dataclass(frozen=True)
@@ -100,6 +101,34 @@ LU_AT_PAIR = ("pair", "pair_lu")     # ... and those that charge a split up-proj
 GROUP_SIZE = {"int4": 64, "nvfp4": 16}  # K elements per scale; must equal formats.GROUP_SIZE (tested)
 
 # %% ../nbs/06_budget.ipynb #866a1986
+@dataclass(frozen=True)
+class ProblemSpec:
+    """What a shared-memory budget reads of a GEMM problem: the LoRA rank `R`, the K length (None: no cap on the main
+    stages) and the element types by name (None: the kernel's default, the first of its config's `dtypes`)."""
+    R: int = 0
+    K: int | None = None
+    out_dtype: str | None = None
+    lora_dtype: str | None = None
+    scale_dtype: str | None = None
+
+    def __post_init__(self):
+        for name, lo in (("R", 0), ("K", 1)):
+            v = getattr(self, name)
+            if name == "K" and v is None: continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name}={v!r}: must be an int >= {lo}")
+        for name in PROBLEM_DTYPES:
+            if getattr(self, name) not in (None, *DTYPE_BITS):
+                raise ValueError(f"{name}={getattr(self, name)!r}: not one of {sorted(DTYPE_BITS)}")
+
+    @classmethod
+    def of(cls, problem) -> "ProblemSpec":
+        "`problem` as a budget reads it: a `ProblemSpec`, or a problem with `R`, `K` and the dtypes (torch's or names)."
+        if isinstance(problem, cls): return problem
+        if not all(hasattr(problem, name) for name in ("R", "K", *PROBLEM_DTYPES)):
+            raise TypeError(f"problem: must be a ProblemSpec or an operands.Problem, got {type(problem).__name__}")
+        return cls(problem.R, problem.K, *(str(getattr(problem, d)).removeprefix("torch.") for d in PROBLEM_DTYPES))
+
 def _made(cfg) -> None:
     """What a config runs when it is made: `check_config`, defined below once every config has its rules, so a bad
     field is refused by name where it is written, not when the budget is solved."""
@@ -113,34 +142,37 @@ class BlackwellOrigConfig:
     tile_n: int = 256               # MMA N
     tile_k: int = 256               # 4 x the 64-deep NVFP4 MMA
     cta_group: int = 2
-    lora_rank: int = 0
     lora_stages: int = 1            # 1 before c1d209c, 2 after
     epi_stages: int = 2             # the starting count; the solver then grows it into the leftover
-    out_dtype: str = "float16"      # also the LoRA blocks' dtype
     lora_accounting: str = "per_cta"
     stages: int | None = None
     max_stages: int | None = None
     arch: str = "sm_100"
     fmt: str = "nvfp4"
     family: ClassVar[str] = "blackwell_orig"
+    # the problem's element types it builds, each a tuple whose first is the default; the LoRA blocks are in the
+    # output's dtype
+    dtypes: ClassVar[dict] = dict(out_dtype=("float16", "bfloat16"), lora_dtype=("float16", "bfloat16"),
+                                  scale_dtype=("float8_e4m3fn",))
 
     def __post_init__(self): _made(self)
 
     @property
     def label(self) -> str:
         return (f"{self.family} {self.arch} {self.fmt} tile {self.tile_m}x{self.tile_n}x{self.tile_k} "
-                f"cta_group={self.cta_group} R={self.lora_rank} lora_stages={self.lora_stages} "
-                f"lora_accounting={self.lora_accounting}")
+                f"cta_group={self.cta_group} lora_stages={self.lora_stages} lora_accounting={self.lora_accounting}")
 
 # %% ../nbs/06_budget.ipynb #2682fd44
 # compute_epilogue_tile_shape: 128-row CTA tile, 16-bit output, no C source (cutlass-dsl 4.3.5)
 SM100_EPI_TILE = (128, 32)
 
 # %% ../nbs/06_budget.ipynb #1a60ac09
-def blackwell_orig_terms(cfg: BlackwellOrigConfig, stages: dict, accounting: str) -> list:
-    "Model of the original's SharedStorage (`kernel_v2_fa4.py`, `c1d209c` to `7296e90`), per CTA, in declaration order."
+def blackwell_orig_terms(cfg: BlackwellOrigConfig, p: ProblemSpec, stages: dict, accounting: str) -> list:
+    """Model of the original's SharedStorage (`kernel_v2_fa4.py`, `c1d209c` to `7296e90`), per CTA, in declaration
+    order, at problem `p`."""
     S, L, E = stages["main"], stages["lora"], stages["epi"]
-    c, BK, R, ob = cfg.cta_group, cfg.tile_k, cfg.lora_rank, DTYPE_BITS[cfg.out_dtype] // 8
+    c, BK, R = cfg.cta_group, cfg.tile_k, p.R
+    ob, lb = DTYPE_BITS[p.out_dtype] // 8, DTYPE_BITS[p.lora_dtype] // 8
     BM, BN = cfg.tile_m // c, cfg.tile_n // c    # a 2-CTA MMA splits A's rows and B's columns over the pair
     sf_k = BK // GROUP_SIZE[cfg.fmt]
     t = [Term.barriers("main_full", S, "main", "pipeline_aw: A, B and both scale TMAs land on one barrier"),
@@ -152,7 +184,7 @@ def blackwell_orig_terms(cfg: BlackwellOrigConfig, stages: dict, accounting: str
               Term.barriers("lora_empty", L, "lora", "pipeline_lora: the LoRA MMAs are done with them")]
     t += [Term.barriers("tmem_dealloc", 1, None, "orders the TMEM free at exit"),
           Term("tmem_holding", 4, 4, "int32", None, "TMEM base address written by tcgen05.alloc"),
-          Term("epilogue", E * SM100_EPI_TILE[0] * SM100_EPI_TILE[1] * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "epi",
+          Term("epilogue", E * SM100_EPI_TILE[0] * SM100_EPI_TILE[1] * ob, SWIZZLE_128B_ALIGN, p.out_dtype, "epi",
                "128 x 32 subtiles, TMEM -> smem -> TMA store"),
           Term("a_packed", S * BM * BK // 2, SWIZZLE_128B_ALIGN, "float4_e2m1fn", "main", "this CTA's 128 rows of A"),
           Term("b_packed", S * BN * BK // 2, SWIZZLE_128B_ALIGN, "float4_e2m1fn", "main",
@@ -163,11 +195,11 @@ def blackwell_orig_terms(cfg: BlackwellOrigConfig, stages: dict, accounting: str
                "SFB for every column of the tile, in each CTA")]
     if R:
         la_pair, lu_pair = c > 1 and accounting in LA_AT_PAIR, c > 1 and accounting in LU_AT_PAIR
-        t += [Term("lora_act", L * (cfg.tile_m if la_pair else BM) * R * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "lora",
+        t += [Term("lora_act", L * (cfg.tile_m if la_pair else BM) * R * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
                    "charged for the pair's tile_m rows" if la_pair else "LA: this CTA's rows x R"),
-              Term("lora_up", L * (cfg.tile_n if lu_pair else BN) * R * ob, SWIZZLE_128B_ALIGN, cfg.out_dtype, "lora",
+              Term("lora_up", L * (cfg.tile_n if lu_pair else BN) * R * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
                    "charged for the pair's tile_n columns" if lu_pair else "LU: this CTA's columns x R")]
-    t.append(Term("affine", 0, 1, cfg.out_dtype, None, "wcscales and bias are read from global memory by the epilogue"))
+    t.append(Term("affine", 0, 1, p.out_dtype, None, "wcscales and bias are read from global memory by the epilogue"))
     return t
 
 # %% ../nbs/06_budget.ipynb #732ab649
@@ -196,29 +228,35 @@ def _check_blackwell_orig(cfg):
     check_int(cfg, "tile_n", 128, 256, 128, "the original's MMA N")
     check_int(cfg, "tile_k", 64, multiple=64, why="the NVFP4 MMA is 64 deep")
     check_int(cfg, "epi_stages")
-    check_choice(cfg, "out_dtype", ("float16", "bfloat16"))
+
+def _check_orig_problem(cfg, p):
+    if p.lora_dtype != p.out_dtype:
+        raise ValueError(f"lora_dtype={p.lora_dtype!r}: the original's LoRA blocks are in the output's dtype, "
+                         f"{p.out_dtype!r}")
 
 # %% ../nbs/06_budget.ipynb #2e651ca7
 @dataclass(frozen=True)
 class Family:
     "How one kernel family lays out shared memory, and which stage counts its config fixes."
-    terms: object        # (cfg, stages, accounting) -> list[Term]
+    terms: object        # (cfg, problem, stages, accounting) -> list[Term]
     check: object        # (cfg) -> None; raises naming the bad field
-    given: object        # (cfg) -> {stage kind: count} fixed by the config
+    given: object        # (cfg, problem) -> {stage kind: count} fixed by the config
     archs: tuple
     fmt: str
     fill: str | None = None  # stage kind grown after solving, into the leftover bytes
     min_stages: int = 1      # the fewest main stages its K-loop can run with (fewer would deadlock)
     accountings: tuple = ("per_cta", "pair")   # its distinct LoRA accountings: a pair that splits only LU has two
+    check_problem: object = None   # (cfg, problem) -> None; raises naming the problem's field the config cannot build
 
-def given_stages(cfg) -> dict:
-    """The stage counts `cfg` fixes: its decode and epilogue rings (0 where its family has none), its LoRA stages (0 at
-    rank 0)."""
-    return dict(decode=getattr(cfg, "decode_stages", 0), lora=cfg.lora_stages if cfg.lora_rank else 0,
+def given_stages(cfg, p: ProblemSpec) -> dict:
+    """The stage counts `cfg` fixes at problem `p`: its decode and epilogue rings (0 where its family has none), its
+    LoRA stages (0 at rank 0)."""
+    return dict(decode=getattr(cfg, "decode_stages", 0), lora=cfg.lora_stages if p.R else 0,
                 epi=getattr(cfg, "epi_stages", 0))
 
 BlackwellOrigConfig.rules = Family(blackwell_orig_terms, _check_blackwell_orig, given_stages, archs=("sm_100",),
-                                   fmt="nvfp4", fill="epi", accountings=LORA_ACCOUNTING)
+                                   fmt="nvfp4", fill="epi", accountings=LORA_ACCOUNTING,
+                                   check_problem=_check_orig_problem)
 
 def family_of(cfg) -> Family:
     "The budget rules of config `cfg`, an instance or a class: its class's `rules`."
@@ -240,7 +278,6 @@ def check_config(cfg) -> None:
     check_choice(cfg, "lora_accounting", LORA_ACCOUNTING)
     check_choice(cfg, "lora_accounting", fam.accountings,
                  f"a {cfg.family} pair splits only LU, which 'pair' already charges whole")
-    check_int(cfg, "lora_rank", lo=0, multiple=16, why="a 16-bit MMA is 16 deep")
     check_int(cfg, "lora_stages")
     for name in ("stages", "max_stages"):
         if getattr(cfg, name) is not None: check_int(cfg, name)
@@ -250,11 +287,25 @@ def check_config(cfg) -> None:
                              f"at once; it needs at least {fam.min_stages}")
     fam.check(cfg)
 
+def problem_of(cfg, problem) -> ProblemSpec:
+    """`problem` (a `ProblemSpec` or an `operands.Problem`) as `cfg`'s budget reads it, each dtype left None at `cfg`'s
+    default; raises naming the problem's first field `cfg` cannot build."""
+    if problem is None:
+        raise TypeError(f"problem: a {cfg.family} config holds tuning alone; give the problem it runs, "
+                        "a ProblemSpec(R=...) or an operands.Problem")
+    p = ProblemSpec.of(problem)
+    p = replace(p, **{d: getattr(p, d) or cfg.dtypes[d][0] for d in PROBLEM_DTYPES})
+    check_int(p, "R", lo=0, multiple=16, why="a 16-bit MMA is 16 deep")
+    for d in PROBLEM_DTYPES: check_choice(p, d, cfg.dtypes[d], f"what the {cfg.family} kernel builds")
+    if family_of(cfg).check_problem: family_of(cfg).check_problem(cfg, p)
+    return p
+
 # %% ../nbs/06_budget.ipynb #63f3a3d2
 @dataclass(frozen=True)
 class Budget:
     "Every shared-memory term of a config at its solved stage counts; `print(budget)` shows the table."
     config: object
+    problem: ProblemSpec  # the problem it was solved at, each dtype named
     stages: dict          # stage kind -> count
     terms: tuple          # Terms in struct order, as charged under config.lora_accounting
     offsets: dict         # struct field name -> byte offset
@@ -274,7 +325,10 @@ class Budget:
         "Everything that is not a main stage, padding included."
         return self.total - self.stages["main"] * self.per_stage
 
-    def __repr__(self): return f"Budget({self.config.label}: stages={self.stages}, total={self.total}/{self.capacity})"
+    @property
+    def label(self) -> str: return f"{self.config.label} R={self.problem.R}"
+
+    def __repr__(self): return f"Budget({self.label}: stages={self.stages}, total={self.total}/{self.capacity})"
     def __str__(self): return _table(self)
 
 # %% ../nbs/06_budget.ipynb #32b044c2
@@ -287,7 +341,7 @@ def _table(b: Budget) -> str:
     w = [max(len(str(r[i])) for r in [head, *rows]) for i in range(5)]
     line = lambda r: f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:>{w[2]}}  {r[3]:>{w[3]}}  {r[4]:>{w[4]}}  {r[5]}".rstrip()
     arch = ARCHS[b.config.arch]
-    out = [b.config.label, "stages: " + ", ".join(f"{k} {v}" for k, v in b.stages.items() if v),
+    out = [b.label, "stages: " + ", ".join(f"{k} {v}" for k, v in b.stages.items() if v),
            line(head), *map(line, rows),
            f"total {b.total} = fixed {b.fixed} + {b.stages['main']} x {b.per_stage} per main stage",
            f"capacity {b.capacity} ({arch.arch}: {arch.smem_per_block // _KiB} KiB per block), "
@@ -297,49 +351,49 @@ def _table(b: Budget) -> str:
     return "\n".join(out)
 
 # %% ../nbs/06_budget.ipynb #1bc81170
-def _size(cfg, stages: dict, accounting: str) -> int:
-    return struct_layout(family_of(cfg).terms(cfg, stages, accounting))[1]
+def _size(cfg, p, stages: dict, accounting: str) -> int:
+    return struct_layout(family_of(cfg).terms(cfg, p, stages, accounting))[1]
 
-def _one_stage(cfg) -> int:
-    "Bytes charged for `cfg` with the fewest main stages its family runs with (one, or `Family.min_stages`)."
+def _one_stage(cfg, p) -> int:
+    "Bytes charged for `cfg` at `p` with the fewest main stages its family runs with (one, or `Family.min_stages`)."
     fam = family_of(cfg)
-    return _size(cfg, {**fam.given(cfg), "main": fam.min_stages}, cfg.lora_accounting)
+    return _size(cfg, p, {**fam.given(cfg, p), "main": fam.min_stages}, cfg.lora_accounting)
 
-def _no_fit(cfg, need: int, cap: int) -> str:
+def _no_fit(cfg, p, need: int, cap: int) -> str:
     "The error message when one main stage overflows, naming the field to blame."
     n = family_of(cfg).min_stages
     fewest = "one main stage needs" if n == 1 else f"{n} main stages (its fewest) need"
     why = f"even {fewest} {need} bytes > {cap} ({cfg.arch})"
-    if cfg.lora_rank and _one_stage(replace(cfg, lora_rank=0)) <= cap:
-        return (f"lora_rank={cfg.lora_rank}: {why}; the LoRA blocks (lora_stages={cfg.lora_stages}, "
+    if p.R and _one_stage(cfg, replace(p, R=0)) <= cap:
+        return (f"R={p.R}: {why}; the LoRA blocks (lora_stages={cfg.lora_stages}, "
                 f"lora_accounting={cfg.lora_accounting!r}) leave no room")
     for name in ("decode_stages", "epi_stages"):
-        if getattr(cfg, name, 1) > 1 and _one_stage(replace(cfg, **{name: 1})) <= cap:
+        if getattr(cfg, name, 1) > 1 and _one_stage(replace(cfg, **{name: 1}), p) <= cap:
             return f"{name}={getattr(cfg, name)}: {why}"
     return f"tile_m={cfg.tile_m}, tile_n={cfg.tile_n}, tile_k={cfg.tile_k}: {why}"
 
 # %% ../nbs/06_budget.ipynb #a4ffef48
-def solve(cfg, *, k: int | None = None) -> Budget:
-    "Stage counts for `cfg` and every shared-memory term at those counts; `k` caps main stages at the K-loop length."
+def solve(cfg, problem) -> Budget:
+    """Stage counts for `cfg` running `problem` (a `ProblemSpec` or an `operands.Problem`) and every shared-memory term
+    at those counts; the problem's K, if given, caps main stages at the K-loop length."""
     check_config(cfg)
-    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-        raise ValueError(f"k={k!r}: must be a positive int, the problem's K")
+    p = problem_of(cfg, problem)
     fam, cap = family_of(cfg), ARCHS[cfg.arch].smem_per_block
-    st = {**fam.given(cfg), "main": cfg.stages or fam.min_stages}
-    fits = lambda **more: _size(cfg, {**st, **more}, cfg.lora_accounting) <= cap
+    st = {**fam.given(cfg, p), "main": cfg.stages or fam.min_stages}
+    fits = lambda **more: _size(cfg, p, {**st, **more}, cfg.lora_accounting) <= cap
     if not fits():
-        need = _size(cfg, st, cfg.lora_accounting)
+        need = _size(cfg, p, st, cfg.lora_accounting)
         raise ValueError(f"stages={cfg.stages}: needs {need} bytes > {cap} ({cfg.arch})" if cfg.stages
-                         else _no_fit(cfg, need, cap))
+                         else _no_fit(cfg, p, need, cap))
     if cfg.stages is None:
-        caps = [c for c in (cfg.max_stages, k and -(-k // cfg.tile_k)) if c]
+        caps = [c for c in (cfg.max_stages, p.K and -(-p.K // cfg.tile_k)) if c]
         while (not caps or st["main"] < min(caps)) and fits(main=st["main"] + 1): st["main"] += 1
     if fam.fill:
         while fits(**{fam.fill: st[fam.fill] + 1}): st[fam.fill] += 1
-    terms = tuple(fam.terms(cfg, st, cfg.lora_accounting))
+    terms = tuple(fam.terms(cfg, p, st, cfg.lora_accounting))
     offsets, total = struct_layout(terms)
-    fields = tuple(t for t in fam.terms(cfg, st, "per_cta") if t.bytes)
-    return Budget(cfg, {s: st[s] for s in STAGE_KINDS}, terms, offsets, total - sum(t.bytes for t in terms),
+    fields = tuple(t for t in fam.terms(cfg, p, st, "per_cta") if t.bytes)
+    return Budget(cfg, p, {s: st[s] for s in STAGE_KINDS}, terms, offsets, total - sum(t.bytes for t in terms),
                   total, fields, struct_layout(fields)[1], cap)
 
 # %% ../nbs/06_budget.ipynb #d8ab4dee

@@ -41,7 +41,7 @@ def tile_count(config, M: int, N: int) -> int:
 
 def main_stages(config, M: int, N: int, K: int, R: int) -> int:
     "The main K-loop stages the budget leaves `config` at `M`×`N`×`K`, rank `R`; ValueError where none fits."
-    return smem.solve(config.bind(int4_pg_problem(M, N, K, R)), k=K).stages["main"]
+    return smem.solve(config, int4_pg_problem(M, N, K, R)).stages["main"]
 
 # %% ../../nbs/20f_bench_variants.ipynb #4988b4db
 @dataclass(frozen=True)

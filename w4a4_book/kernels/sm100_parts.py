@@ -186,7 +186,7 @@ class Sm100GemmBase:
         c = self.cfg
         self.cta_group, self.mma_tiler = c.cta_group, (c.tile_m, c.tile_n, c.tile_k)
         self.bm, self.bn, self.bk = c.tile_m // c.cta_group, c.tile_n, c.tile_k   # the CTA's accumulator: bm x bn
-        self.stages, self.epi_stages, self.lora_rank = budget.stages["main"], budget.stages["epi"], c.lora_rank
+        self.stages, self.epi_stages, self.lora_rank = budget.stages["main"], budget.stages["epi"], problem.R
         self.lora_stages = budget.stages["lora"]
         self.acc_stages = getattr(c, "acc_stages", 1)                           # v1's family: one accumulator
         self.k_tiles = problem.K // c.tile_k

@@ -355,7 +355,7 @@ class Int4GemmBase:
         c = self.cfg
         self.bm, self.bn, self.bk = c.tile_m, c.tile_n, c.tile_k
         self.group = formats.GROUP_SIZE[c.fmt]
-        self.stages, self.lora_rank, self.cluster_n = budget.stages["main"], c.lora_rank, c.cluster_n
+        self.stages, self.lora_rank, self.cluster_n = budget.stages["main"], problem.R, c.cluster_n
         self.has_scale, self.has_bias = problem.has_scale, problem.has_bias
         self.num_sms = num_sms
 

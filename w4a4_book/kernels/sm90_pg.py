@@ -128,9 +128,9 @@ class W4A4GemmPg:
         c = self.cfg
         self.bm, self.bn, self.bk = c.tile_m, c.tile_n, c.tile_k
         self.stages, self.lstages, self.estages = budget.stages["main"], budget.stages["lora"], budget.stages["epi"]
-        self.lora_rank, self.cluster_n = c.lora_rank, c.cluster_n
-        self.lora_chunk = configs.lora_chunk_of(c)          # rank columns per LoRA stage
-        self.lora_chunks = c.lora_rank // self.lora_chunk if c.lora_rank else 0   # LoRA stages a tile streams
+        self.lora_rank, self.cluster_n = problem.R, c.cluster_n
+        self.lora_chunk = configs.lora_chunk_of(c, problem.R)          # rank columns per LoRA stage
+        self.lora_chunks = problem.R // self.lora_chunk if problem.R else 0   # LoRA stages a tile streams
         self.has_scale, self.has_bias = problem.has_scale, problem.has_bias
         self.epi_vectors = c.epi_vectors
         self.num_sms, self.Scheduler = num_sms, scheduler

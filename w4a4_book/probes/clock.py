@@ -105,7 +105,7 @@ def _clocked_launch(Clock, w, lib_out) -> tuple:
     _, tensors, _, p, _ = gemm._launch(*w.operands, w.out_dtype, None, None)
     config = heuristics.tile_choice(registry.default_config("int4_pg"), p)
     dev = tensors[0].device
-    kern = Clock(smem.solve(config.bind(p), k=p.K), p, cache.sm_count(dev.index))
+    kern = Clock(smem.solve(config, p), p, cache.sm_count(dev.index))
     make = lambda: (kern, pg_variants.pg_sk_arguments(p), True)
     fn = jit.launchable(("tile_clock", config, p.signature(False)), dev, make)
     ts = pg_variants.pg_sk_tensors(p, *w.operands, torch.empty_like(lib_out))
