@@ -129,6 +129,8 @@ class ProblemSpec:
             raise TypeError(f"problem: must be a ProblemSpec or an operands.Problem, got {type(problem).__name__}")
         return cls(problem.R, problem.K, *(str(getattr(problem, d)).removeprefix("torch.") for d in PROBLEM_DTYPES))
 
+
+# %% ../nbs/06_budget.ipynb #1fc9484f
 def _made(cfg) -> None:
     """What a config runs when it is made: `check_config`, defined below once every config has its rules, so a bad
     field is refused by name where it is written, not when the budget is solved."""
