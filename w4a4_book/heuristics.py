@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import w4a4_book.smem as smem
 import w4a4_book.configs as configs
-from .operands import Problem, fail
+from .operands import expect_problem, fail
 
 # %% auto #0
 __all__ = ['DEFAULT_NUM_SMS', 'MIN_STAGES', 'MIN_WAVE_FILL', 'TILE_CHOICES', 'ACT_CTAS_PER_SM', 'ACT_STAGES', 'ACT_SHARE_BLOCKS',
@@ -40,8 +40,7 @@ def tile_choice(config, problem, num_sms=None):
     whose budget keeps `MIN_STAGES` main stages and whose grid fills `MIN_WAVE_FILL` of the SMs, the one of fewest
     waves, then the lowest, then the first; where none fills the SMs, among those keeping the most stages up to
     `MIN_STAGES`, the one with the most tiles."""
-    if not isinstance(problem, Problem):
-        fail(TypeError, "problem", f"expected an operands.Problem, got {type(problem).__name__}")
+    expect_problem(problem)
     sms, best, fits = num_sms or DEFAULT_NUM_SMS, None, []
     for tm, epi_tm, epi, vectors, deferred in TILE_CHOICES.get(type(config), ()):
         try:

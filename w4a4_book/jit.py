@@ -17,7 +17,7 @@ import torch
 import w4a4_book.smem as smem
 import w4a4_book.configs as configs
 import w4a4_book.operands as operands
-from .operands import Problem, fail
+from .operands import Problem, expect_problem, fail
 from .cache import sm_count
 from .heuristics import DEFAULT_NUM_SMS, cluster_size
 from .registry import DEFAULT_FMT, REGISTRY, KernelSpec, default_config, find_kernel, spec_for
@@ -31,7 +31,7 @@ __all__ = ['SCALE_DTYPE', 'KERNEL_CACHE_ENV', 'CACHE_STATS', 'check', 'build', '
 def check(config, p: Problem) -> Problem:
     "Raise, naming the argument, unless the kernel of `config` can compute problem `p`."
     smem.check_config(config)
-    if not isinstance(p, Problem): fail(TypeError, "problem", f"expected an operands.Problem, got {type(p).__name__}")
+    expect_problem(p)
     return operands.check_problem(spec_for(config).kernel_class().requirements(config), p, cluster_size(config))
 
 def build(config, p: Problem, num_sms: int = DEFAULT_NUM_SMS):

@@ -14,8 +14,8 @@ from .formats import INT_MAX_ABS, K_MULTIPLE, QFORMATS, QTensor, check_fmt
 
 # %% auto #0
 __all__ = ['LOW_PRECISION', 'OPERAND_PAIRS', 'INT32_SUM_LIMIT', 'LORA_RANK_MULTIPLE', 'EPILOGUE_DTYPES', 'fail', 'int32_k_limit',
-           'check_int32_sum', 'check_operands', 'Problem', 'Requirements', 'check_formats', 'check_problem',
-           'check_gemm_operands', 'check_devices', 'check_quant_inputs', 'check_layer_args']
+           'check_int32_sum', 'check_operands', 'Problem', 'expect_problem', 'Requirements', 'check_formats',
+           'check_problem', 'check_gemm_operands', 'check_devices', 'check_quant_inputs', 'check_layer_args']
 
 # %% ../nbs/13a_operands.ipynb #76fb419f
 def fail(kind: type, arg: str, msg: str):
@@ -155,6 +155,12 @@ class Problem:
     def signature(self, static_m: bool = True) -> "Problem":
         "The part of the problem a compiled kernel depends on: all of it, or all but M when M is a runtime value."
         return self if static_m else replace(self, M=1)
+
+def expect_problem(problem) -> Problem:
+    "`problem`, after a `TypeError` naming it unless it is an `operands.Problem`: the one check of the argument's type."
+    if not isinstance(problem, Problem):
+        fail(TypeError, "problem", f"expected an operands.Problem, got {type(problem).__name__}")
+    return problem
 
 # %% ../nbs/13a_operands.ipynb #1dee44d8
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Optional, Protocol, runtime_checkable
 
 import w4a4_book.smem as smem
 import w4a4_book.configs as configs
-from .operands import Problem, Requirements, fail
+from .operands import Problem, Requirements, expect_problem, fail
 from .heuristics import tile_choice
 
 # %% auto #0
@@ -147,8 +147,7 @@ def default_config(fmt: Optional[str] = None, arch: str = "sm_90a", problem=None
     """The config of the default kernel for `fmt` (default: `default_fmt(arch)`) on `arch`, every field at its default;
     given `problem`, the first activation-tile height of `TILE_CHOICES` whose shared-memory budget keeps `MIN_STAGES`
     main stages (`tile_choice`)."""
-    if problem is not None and not isinstance(problem, Problem):
-        fail(TypeError, "problem", f"expected an operands.Problem, got {type(problem).__name__}")
+    if problem is not None: expect_problem(problem)
     if not isinstance(fmt, (str, type(None))): fail(TypeError, "fmt", f"must be a str or None, got {fmt!r}")
     if not isinstance(arch, str): fail(TypeError, "arch", f"must be a str, got {arch!r}")
     cfg = _default_unbound(fmt, arch)

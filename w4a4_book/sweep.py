@@ -12,7 +12,7 @@ from pathlib import Path
 import w4a4_book.smem as smem
 import w4a4_book.configs as configs
 from . import records, heuristics, jit, registry, gemm
-from .operands import Problem, fail
+from .operands import Problem, expect_problem
 from .bench import report, timing, workloads
 
 # %% ../nbs/08_pipeline_depth.ipynb #acb5dc92
@@ -23,9 +23,7 @@ SWEEP_CONFIGS = (configs.HopperV1Config(), configs.HopperV2Config())   # the ker
 def max_stages(config, problem: Problem) -> int:
     """The most main stages that fit for the kernel of `config` on `problem`: the solver's pick, under `config`'s
     accounting (`per_cta` by default)."""
-    if not isinstance(problem, Problem):
-        fail(TypeError, "problem", f"expected an operands.Problem, got {type(problem).__name__}")
-    return smem.solve(replace(config, stages=None), problem).stages["main"]
+    return smem.solve(replace(config, stages=None), expect_problem(problem)).stages["main"]
 
 def min_stages(config) -> int:
     """The fewest main stages the kernel of `config` runs with: where a sweep starts (two for the int4_pg mainloop, else
