@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['PROMOTIONS', 'ABLATIONS', 'PG_GROUP', 'PG_LOOKUP_BYTES', 'TMEM_COLUMNS', 'SF_ATOM_MN', 'CONFIGS', 'KernelConfig',
-           'HopperV1Config', 'hopper_v1_terms', 'HopperV2Config', 'decode_ring_barriers', 'hopper_v2_terms',
-           'HopperPgConfig', 'lora_chunk_of', 'hopper_pg_terms', 'HopperPgSmemConfig', 'HopperPgV1Config',
-           'HopperPgStreamKConfig', 'hopper_pg_smem_terms', 'Sm100V1Config', 'sm100_tmem_columns', 'Sm100V2Config',
-           'sm100_v2_terms', 'explain']
+           'HopperV1Config', 'hopper_lora_terms', 'hopper_v1_terms', 'HopperV2Config', 'decode_ring_barriers',
+           'hopper_v2_terms', 'HopperPgConfig', 'lora_chunk_of', 'hopper_pg_terms', 'HopperPgSmemConfig',
+           'HopperPgV1Config', 'HopperPgStreamKConfig', 'hopper_pg_smem_terms', 'Sm100V1Config', 'sm100_tmem_columns',
+           'Sm100V2Config', 'sm100_v2_terms', 'explain']
 
 # %% ../nbs/12a_configs.ipynb #633133ec
 from dataclasses import dataclass, replace
@@ -55,11 +55,25 @@ class HopperV1Config(KernelConfig):
                 f"cluster_n={self.cluster_n} lora_accounting={self.lora_accounting}")
 
 # %% ../nbs/12a_configs.ipynb #211e7fb8
+def hopper_lora_terms(cfg, p: ProblemSpec, L: int, width: int, accounting: str,
+                      names: tuple = ("R", "columns")) -> list:
+    """A Hopper tile's two LoRA blocks at problem `p`, `L` stages of `width` rank columns: the activation block (BM
+    rows, multicast to both CTAs of a pair) and this CTA's up-projection block (BN weights), which `pair` charges for
+    the cluster's `cluster_n * BN`, the historical bug. `names`: the width's symbol and what a weight is in the
+    layout."""
+    BM, BN, lb, (W, weights) = cfg.tile_m, cfg.tile_n, DTYPE_BITS[p.lora_dtype] // 8, names
+    up_rows = BN * cfg.cluster_n if accounting in LU_AT_PAIR else BN
+    return [Term("lora_act", L * BM * width * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
+                 f"the tile's BM x {W} LoRA activation rows"),
+            Term("lora_up", L * up_rows * width * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
+                 f"this CTA's BN x {W} up-projection rows" if up_rows == BN
+                 else f"charged for the cluster's N {weights}: the historical bug")]
+
 def hopper_v1_terms(cfg: HopperV1Config, p: ProblemSpec, stages: dict, accounting: str) -> list:
     "The Hopper v1 SharedStorage at problem `p`, field by field in declaration order, at the given stage counts."
     S, D, L = stages["main"], stages["decode"], stages["lora"]
     BM, BN, BK, R, G = cfg.tile_m, cfg.tile_n, cfg.tile_k, p.R, GROUP_SIZE[cfg.fmt]
-    sb, lb, ob = (DTYPE_BITS[d] // 8 for d in (p.scale_dtype, p.lora_dtype, p.out_dtype))
+    sb, ob = DTYPE_BITS[p.scale_dtype] // 8, DTYPE_BITS[p.out_dtype] // 8
     t = [Term.barriers("main_full", S, "main", "TMA transaction barrier: the stage's bytes have landed"),
          Term.barriers("main_empty", S, "main", "consumers hand the stage back to the TMA producer")]
     if R:
@@ -76,13 +90,7 @@ def hopper_v1_terms(cfg: HopperV1Config, p: ProblemSpec, stages: dict, accountin
           Term("a_decoded", D * BM * BK, SWIZZLE_128B_ALIGN, "int8", "decode",
                "8-bit copy wgmma reads: sm_90 has no 4-bit MMA"),
           Term("b_decoded", D * BN * BK, SWIZZLE_128B_ALIGN, "int8", "decode", "wgmma reads B only from shared memory")]
-    if R:
-        up_cols = BN * cfg.cluster_n if accounting in LU_AT_PAIR else BN
-        t += [Term("lora_act", L * BM * R * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
-                   "the tile's BM x R LoRA activation rows"),
-              Term("lora_up", L * up_cols * R * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
-                   "this CTA's BN x R up-projection rows" if up_cols == BN
-                   else "charged for the cluster's N columns: the historical bug")]
+    if R: t += hopper_lora_terms(cfg, p, L, R, accounting)
     staged = cfg.epilogue == "tile"
     t += [Term("affine", 0, 1, p.out_dtype, None, "wcscales and bias are read from global memory in the epilogue"),
           Term("epilogue", BM * BN * ob if staged else 0, SWIZZLE_128B_ALIGN, p.out_dtype, None,
@@ -191,7 +199,7 @@ def hopper_pg_terms(cfg: HopperPgConfig, p: ProblemSpec, stages: dict, accountin
     stage counts."""
     S, L = stages["main"], stages["lora"]
     BM, BN, BK, R = cfg.tile_m, cfg.tile_n, cfg.tile_k, p.R
-    lb, ob = DTYPE_BITS[p.lora_dtype] // 8, DTYPE_BITS[p.out_dtype] // 8
+    ob = DTYPE_BITS[p.out_dtype] // 8
     t = [Term.barriers("main_full", S, "main", "TMA transaction barrier: the stage's three boxes have landed"),
          Term.barriers("main_empty", S, "main", "the MMA warpgroups (of both CTAs of a pair) hand the stage back")]
     if R:
@@ -206,14 +214,8 @@ def hopper_pg_terms(cfg: HopperPgConfig, p: ProblemSpec, stages: dict, accountin
           Term("w_u", S * BN * (BK // PG_GROUP), TMA_SMEM_ALIGN, "uint32", "main",
                "the weights' u, one byte per row and group"),
           Term("act", S * BM * BK, SWIZZLE_128B_ALIGN, "int8", "main", "int8 q*u activations, wgmma's B operand")]
-    if R:
-        C = lora_chunk_of(cfg, R)              # a LoRA stage holds C of the rank's columns
-        up_rows = BN * cfg.cluster_n if accounting in LU_AT_PAIR else BN
-        t += [Term("lora_act", L * BM * C * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
-                   "the tile's BM x C LoRA activation rows"),
-              Term("lora_up", L * up_rows * C * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
-                   "this CTA's BN x C up-projection rows" if up_rows == BN
-                   else "charged for the cluster's N rows: the historical bug")]
+    if R:   # a LoRA stage holds C of the rank's columns; the weights are the layout's rows
+        t += hopper_lora_terms(cfg, p, L, lora_chunk_of(cfg, R), accounting, ("C", "rows"))
     E = stages["epi"]
     t.append(Term("epilogue", E * BN * cfg.epi_tile_m * ob, SWIZZLE_128B_ALIGN, p.out_dtype, "epi",
                   "per MMA warpgroup, a ring of 64 x epi_tile_m output sub-tiles, transposed by stmatrix, "
