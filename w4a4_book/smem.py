@@ -299,7 +299,8 @@ def problem_of(cfg, problem) -> ProblemSpec:
     p = replace(p, **{d: getattr(p, d) or cfg.dtypes[d][0] for d in PROBLEM_DTYPES})
     check_int(p, "R", lo=0, multiple=16, why="a 16-bit MMA is 16 deep")
     for d in PROBLEM_DTYPES: check_choice(p, d, cfg.dtypes[d], f"what the {cfg.family} kernel builds")
-    if family_of(cfg).check_problem: family_of(cfg).check_problem(cfg, p)
+    check = family_of(cfg).check_problem
+    if check: check(cfg, p)
     return p
 
 # %% ../nbs/06_budget.ipynb #63f3a3d2
