@@ -134,11 +134,7 @@ MAX_PARAMETERS = 10
 # Interfaces that must stay flat, as `module.function`. torch.library makes the op `w4a4::linear` from a schema of
 # one argument per tensor or option, and calls its implementation and its fake (`_`) with them one by one;
 # `_check_linear` checks those arguments as the op receives them.
-# The launches' `__call__` are the compiled functions' calling convention, one argument per tensor the GPU tests ran.
-# cutlass-dsl 4.3.5 takes a bundle only as a tuple that states its MLIR types, with a tensor left at the top level,
-# and builds a TVM-FFI array from it on every launch; held flat until a GPU run times and checks that.
-FLAT_INTERFACES = {"ops.w4a4_linear", "ops._", "ops._check_linear",
-                   "kernels.sm90_pg.__call__", "kernels.sm100_v1.__call__", "kernels.sm100_v2.__call__"}
+FLAT_INTERFACES = {"ops.w4a4_linear", "ops._", "ops._check_linear"}
 
 
 def parameters(node) -> list:

@@ -438,6 +438,17 @@ class Launch(tuple):
     names: tuple = ()
 
 
+def is_bundle(arg) -> bool:
+    "Whether a launch argument (an `ArgSpec` or a tensor, or a bundle of them) is a bundle: a tuple passed as one."
+    from w4a4_book.kernels.sm90_parts import ArgSpec
+    return isinstance(arg, tuple) and not isinstance(arg, ArgSpec)
+
+
+def flat(args) -> list:
+    "A launch's `ArgSpec`s or tensors with each bundle's in its place."
+    return [x for a in args for x in (flat(a) if is_bundle(a) else [a])]
+
+
 @pytest.fixture
 def stubbed_sm90(monkeypatch):
     """Run the sm90 path's host code on the CPU: the device checks pass, nothing compiles, and each "launch" records
@@ -445,8 +456,10 @@ def stubbed_sm90(monkeypatch):
     from w4a4_book import operands
     launches = []
     def compile_launchable(kernel, specs, dynamic_m, options=""):
-        names = tuple(s.name for s in specs)
+        names = tuple(s.name for s in flat(specs))
         def launch(*tensors):
+            assert [isinstance(t, tuple) for t in tensors] == [is_bundle(s) for s in specs], (specs, tensors)
+            tensors = flat(tensors)
             assert len(tensors) == len(names), (names, len(tensors))
             rec = Launch(tensors)
             rec.names = names
@@ -477,7 +490,7 @@ def test_the_gemm_is_launched_on_the_layers_buffers(stubbed_sm90, fmt):
     layer(x)
     again = stubbed_sm90[-1]
     assert layer.last_backend.startswith("sm90-") and "out" in again.names
-    specs = gemm_class(fmt).arguments(layer.problem(x.shape[0]))
+    specs = flat(gemm_class(fmt).arguments(layer.problem(x.shape[0])))
     assert again.names == tuple(a.name for a in specs)
     weight = [i for i, a in enumerate(specs) if x.shape[0] not in a.shape]   # no extent M: never an activation
     assert "wcscales" in again.names and again.names.index("wcscales") in weight

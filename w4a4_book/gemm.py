@@ -49,12 +49,14 @@ def gemm_launcher(act, wgt, lora_act=None, lora_up=None, wcscales=None, bias=Non
 
 class BoundGemm:
     """A compiled GEMM whose M is a run-time value, with its weight-side tensors bound: called with the tensors of its
-    M-long arguments (those whose `ArgSpec` has an M mode) in launch order, it launches on the current stream. An
-    M-long argument that was absent when it was bound (`lora_act` at rank 0: a stand-in) is passed as None."""
+    M-long arguments (those whose `ArgSpec` has an M mode; a bundle of specs has none) in launch order, it launches on
+    the current stream. An M-long argument that was absent when it was bound (`lora_act` at rank 0: a stand-in) is
+    passed as None."""
     __slots__ = ("fn", "args", "slots")
 
     def __init__(self, fn, tensors: list, specs, absent: tuple = ()):
-        self.fn, self.slots = fn, tuple(i for i, s in enumerate(specs) if s.m_mode is not None and s.name not in absent)
+        m_long = [i for i, s in enumerate(specs) if getattr(s, "m_mode", None) is not None and s.name not in absent]
+        self.fn, self.slots = fn, tuple(m_long)
         self.args = [None if i in self.slots else t for i, t in enumerate(tensors)]   # no activation is held
 
     def __call__(self, *per_call) -> None:

@@ -92,14 +92,14 @@ class CompileReport:
 
 # %% ../nbs/13f_jit.ipynb #478e304e
 def compile_launchable(kernel, specs, dynamic_m: bool, options: str = ""):
-    """`kernel` compiled on fake tensors of `specs` (`parts.ArgSpec`s) with CuTe DSL's TVM-FFI entry point: the result
-    is called with torch tensors in `specs`' order and launches on torch's current stream of their device (it takes
-    no stream argument). `dynamic_m`: each spec's M mode is a run-time value. `options`: more compiler options (an
-    explicit `--gpu-arch`, without which the GPU's own is used)."""
+    """`kernel` compiled on fake tensors of `specs` (`parts.ArgSpec`s, or bundles of them) with CuTe DSL's TVM-FFI entry
+    point: the result is called with torch tensors in `specs`' order (a bundle's as one tuple) and launches on torch's
+    current stream of their device (it takes no stream argument). `dynamic_m`: each spec's M mode is a run-time
+    value. `options`: more compiler options (an explicit `--gpu-arch`, without which the GPU's own is used)."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
-    from w4a4_book.kernels.sm90_parts import fake_tensor
-    return cute.compile(kernel, *[fake_tensor(s, dynamic_m=dynamic_m) for s in specs],
+    from w4a4_book.kernels.sm90_parts import fake_argument
+    return cute.compile(kernel, *[fake_argument(s, dynamic_m=dynamic_m) for s in specs],
                         make_fake_stream(use_tvm_ffi_env_stream=True), options=f"--enable-tvm-ffi {options}".strip())
 
 def compile_on_fakes(kernel, specs, arch: str = "sm_90a", dynamic_m: bool = False) -> tuple:

@@ -28,7 +28,7 @@ class KernelClass(Protocol):
     static_m: bool          # True: compiled per M (its grid is sized from M); False: M is read at run time
     def __init__(self, budget, problem: Problem, num_sms: int) -> None: ...
     def requirements(self, cfg) -> Requirements: ...    # a classmethod: the shapes its tiles cover, for `cfg`
-    def arguments(self, p: Problem) -> tuple: ...        # its launch's `ArgSpec`s, in order
+    def arguments(self, p: Problem) -> tuple: ...        # its launch's `ArgSpec`s (or bundles of them), in order
     def tensors(self, p: Problem, act, wgt, lora_act, lora_up, wcscales, bias, out) -> list: ...   # theirs, in order
     def __call__(self, *tensors) -> None: ...
 

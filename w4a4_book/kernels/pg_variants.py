@@ -187,12 +187,12 @@ class W4A4GemmPgV1(W4A4GemmPg):
 # %% ../../nbs/13c_pg_variants.ipynb #f0f9dc2a
 def pg_sk_arguments(p: operands.Problem) -> tuple:
     "`pg_arguments` with the stream-K workspace: `SK_SLOTS` partials and their flags."
-    return (*pg_arguments(p)[:-2], *sk_arguments(SK_SLOTS))
+    return (*pg_arguments(p)[:-1], sk_arguments(SK_SLOTS))
 
 def pg_sk_tensors(p: operands.Problem, *args) -> list:
     "`pg_tensors` with this device's stream-K workspace in place of the stand-ins."
     t = pg_tensors(p, *args)
-    return [*t[:-2], *sk_tensors(t[0].device, SK_SLOTS)]
+    return [*t[:-1], sk_tensors(t[0].device, SK_SLOTS)]
 
 class W4A4GemmPgStreamK(W4A4GemmPg):
     """The register-decode kernel on the stream-K schedule (`scheduler.StreamK`): one CTA a cluster, cut tiles fixed up

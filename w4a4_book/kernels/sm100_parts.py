@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['SF_VEC', 'SF_ATOM_ROWS', 'SF_ATOM_GROUPS', 'MMA_K', 'mma_scales_size', 'mma_scale_offset', 'to_mma_scales',
-           'from_mma_scales', 'NamedBarrier', 'Sm100Tensors', 'Sm100Vectors', 'sm100_arguments', 'lora_up_prescaled',
+           'from_mma_scales', 'NamedBarrier', 'Sm100Vectors', 'Sm100Tensors', 'sm100_arguments', 'lora_up_prescaled',
            'sm100_tensors', 'lora_step_at', 'emulate_sm100', 'Sm100Mmas', 'Sm100Layouts', 'Sm100Loads', 'Sm100GemmBase',
            'Sm100Pipes', 'Sm100Smem', 'tile_copies', 'Sm100Operands', 'Sm100Epi']
 
@@ -70,17 +70,18 @@ class NamedBarrier(enum.IntEnum):
     TMEM_ALLOC = 1      # the warps that read the TMEM base address wait for the allocating warp
     EPILOGUE = 2        # the epilogue warps, around each output sub-tile's shared-memory staging
 
-class Sm100Tensors(NamedTuple):
-    "The global tensors of the sm_100 kernels, as cute tensors, in launch order."
-    act: object; wgt: object; act_sf: object; wgt_sf: object
-    lora_act: object; lora_up: object; wcscales: object; bias: object; gscale: object; out: object
-
 @parts.kernel_bundle
 class Sm100Vectors(NamedTuple):
-    "What the epilogue reads from global memory beside the accumulator: `wcscales`, `bias` (N,) and `gscale` (1,)."
+    """What the epilogue reads from global memory beside the accumulator, one launch argument: `wcscales`, `bias`
+    (N,) and `gscale` (1,)."""
     wcscales: object
     bias: object
     gscale: object       # fp32 `gs_a·gs_w`, which multiplies the accumulator
+
+class Sm100Tensors(NamedTuple):
+    "The global tensors of the sm_100 kernels, as cute tensors, in launch order."
+    act: object; wgt: object; act_sf: object; wgt_sf: object
+    lora_act: object; lora_up: object; vectors: object; out: object      # `vectors`: `Sm100Vectors`
 
 def sm100_arguments(p: operands.Problem) -> tuple:
     "The `ArgSpec`s of an sm_100 launch, in `Sm100Tensors` order (R = 0 still passes 16-wide LoRA placeholders)."
@@ -91,8 +92,10 @@ def sm100_arguments(p: operands.Problem) -> tuple:
             parts.ArgSpec("wgt_sf", u8, (mma_scales_size(p.N, p.K // G),)),
             parts.ArgSpec("lora_act", cutlass.BFloat16, (p.M, R), rowmaj),
             parts.ArgSpec("lora_up", cutlass.BFloat16, (p.N, R), rowmaj),
-            parts.ArgSpec("wcscales", dt[p.wcscales_dtype], (p.N,)), parts.ArgSpec("bias", dt[p.bias_dtype], (p.N,)),
-            parts.ArgSpec("gscale", cutlass.Float32, (1,)), parts.ArgSpec("out", dt[p.out_dtype], (p.M, p.N), rowmaj))
+            Sm100Vectors(parts.ArgSpec("wcscales", dt[p.wcscales_dtype], (p.N,)),
+                         parts.ArgSpec("bias", dt[p.bias_dtype], (p.N,)),
+                         parts.ArgSpec("gscale", cutlass.Float32, (1,))),
+            parts.ArgSpec("out", dt[p.out_dtype], (p.M, p.N), rowmaj))
 
 # %% ../../nbs/18_sm100_parts.ipynb #27672fff
 def lora_up_prescaled(lora_up: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
@@ -108,7 +111,7 @@ def sm100_tensors(p: operands.Problem, act, wgt, lora_act, lora_up, wcscales, bi
         lora_up = lora_up_prescaled(lora_up, gs)
     lora_act, lora_up, wcs, b = parts.stand_ins(p, lora_act, lora_up, wcscales, bias, dev, torch.bfloat16)
     return [act.data, wgt.data, to_mma_scales(act.scales), to_mma_scales(wgt.scales),
-            lora_act, lora_up, wcs, b, gs, out]
+            lora_act, lora_up, Sm100Vectors(wcs, b, gs), out]
 
 # %% ../../nbs/18_sm100_parts.ipynb #e81ed7e4
 MMA_K = 64                   # K of one block-scaled tcgen05.mma: four scales of 16

@@ -31,15 +31,15 @@ class W4A4GemmSm100V1(Sm100GemmBase):
 @patch
 @cute.jit
 def __call__(self: W4A4GemmSm100V1, mA: cute.Tensor, mB: cute.Tensor, mSFA: cute.Tensor, mSFB: cute.Tensor,
-             mLA: cute.Tensor, mLU: cute.Tensor, mWcs: cute.Tensor, mBias: cute.Tensor, mGs: cute.Tensor,
-             mC: cute.Tensor, stream: cuda.CUstream):
+             mLA: cute.Tensor, mLU: cute.Tensor, vecs: Sm100Vectors, mC: cute.Tensor, stream: cuda.CUstream):
     """mA (M, K/2), mB (N, K/2) u8 E2M1 pairs; mSFA, mSFB u8 E4M3 in the MMA's layout (`to_mma_scales`);
-    mLA (M, R), mLU (N, R) bf16, mLU pre-scaled (`lora_up_prescaled`); mWcs/mBias (N,); mGs (1,) fp32; mC (M, N)."""
+    mLA (M, R), mLU (N, R) bf16, mLU pre-scaled (`lora_up_prescaled`); `vecs` wcscales, bias (N,) and gscale (1,)
+    fp32; mC (M, N)."""
     self._setup(mC.element_type)
     loads = self._loads(mA, mB, mSFA, mSFB, mLA, mLU, mC)
     M, N = cute.size(mC, mode=[0]), cute.size(mC, mode=[1])
     m_tiles = (M + self.mma_tiler[0] - 1) // self.mma_tiler[0]
-    self.kernel(loads, Sm100Vectors(mWcs, mBias, mGs), self.mmas, self.layouts).launch(
+    self.kernel(loads, vecs, self.mmas, self.layouts).launch(
         grid=(m_tiles * self.cta_group, N // self.bn, 1), block=[self.threads, 1, 1],
         cluster=(self.cta_group, 1, 1), stream=stream)
 

@@ -66,8 +66,7 @@ class W4A4GemmSm100V2(Sm100GemmBase):
 @patch
 @cute.jit
 def __call__(self: W4A4GemmSm100V2, mA: cute.Tensor, mB: cute.Tensor, mSFA: cute.Tensor, mSFB: cute.Tensor,
-             mLA: cute.Tensor, mLU: cute.Tensor, mWcs: cute.Tensor, mBias: cute.Tensor, mGs: cute.Tensor,
-             mC: cute.Tensor, stream: cuda.CUstream):
+             mLA: cute.Tensor, mLU: cute.Tensor, vecs: Sm100Vectors, mC: cute.Tensor, stream: cuda.CUstream):
     "v1's arguments (`sm100_arguments`); a persistent grid of at most `num_sms` CTAs, in clusters of `cta_group`."
     self._setup(mC.element_type)
     loads = self._loads(mA, mB, mSFA, mSFB, mLA, mLU, mC)
@@ -76,7 +75,7 @@ def __call__(self: W4A4GemmSm100V2, mA: cute.Tensor, mB: cute.Tensor, mSFA: cute
     self.scheduler = self.Scheduler((M + self.mma_tiler[0] - 1) // self.mma_tiler[0], N // self.bn, 1,
                                     tile_ctas=self.cta_group)
     clusters = self.scheduler.clusters(self.num_sms)
-    self.kernel(loads, Sm100Vectors(mWcs, mBias, mGs), self.mmas, self.layouts).launch(
+    self.kernel(loads, vecs, self.mmas, self.layouts).launch(
         grid=(clusters * self.cta_group, 1, 1), block=[self.threads, 1, 1], cluster=(self.cta_group, 1, 1),
         stream=stream)
 

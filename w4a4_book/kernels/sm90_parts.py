@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['CUTE_DTYPES', 'HIGH_NIBBLES', 'DECODE_SCALE', 'kernel_bundle', 'GemmTensors', 'ArgSpec', 'fake_tensor',
-           'decode_word_ref', 'decode_row_ref', 'kernel_k_order', 'check_decoded_layout', 'packed_words',
-           'decoded_words', 'decode_tile', 'tma_split', 'GemmLoads', 'int4_loads', 'promote', 'apply_affine',
-           'store_tile', 'storage_from_budget', 'check_term', 'WarpRoles', 'int4_arguments', 'padded_rows', 'stand_ins',
-           'int4_tensors', 'Mmas', 'Int4Layouts', 'Int4GemmBase']
+           'fake_argument', 'decode_word_ref', 'decode_row_ref', 'kernel_k_order', 'check_decoded_layout',
+           'packed_words', 'decoded_words', 'decode_tile', 'tma_split', 'GemmLoads', 'int4_loads', 'promote',
+           'apply_affine', 'store_tile', 'storage_from_budget', 'check_term', 'WarpRoles', 'int4_arguments',
+           'padded_rows', 'stand_ins', 'int4_tensors', 'Mmas', 'Int4Layouts', 'Int4GemmBase']
 
 # %% ../../nbs/13b_sm90_parts.ipynb #b46235d1
 from dataclasses import dataclass
@@ -28,8 +28,9 @@ from ..cache import constant
 
 # %% ../../nbs/13b_sm90_parts.ipynb #000259f3
 def kernel_bundle(cls):
-    """Let the `NamedTuple` class `cls` cross into a `@cute.kernel`: its fields' dynamic values flatten in order and are
-    rebuilt."""
+    """Let the `NamedTuple` class `cls` cross into a `@cute.kernel`, or into a launch's `@cute.jit` as one argument:
+    its fields' types and dynamic values flatten in order and are rebuilt."""
+    def types(self): return sum((get_mlir_types(v) for v in self), [])
     def extract(self): return extract_mlir_values(tuple(self))
     def rebuild(self, values):
         fields = []
@@ -38,7 +39,7 @@ def kernel_bundle(cls):
             fields.append(new_from_mlir_values(v, values[:n]))
             values = values[n:]
         return type(self)(*fields)
-    cls.__extract_mlir_values__, cls.__new_from_mlir_values__ = extract, rebuild
+    cls.__get_mlir_types__, cls.__extract_mlir_values__, cls.__new_from_mlir_values__ = types, extract, rebuild
     return cls
 
 # %% ../../nbs/13b_sm90_parts.ipynb #b6c442ee
@@ -78,6 +79,14 @@ def fake_tensor(spec: ArgSpec, align: int = 16, dynamic_m: bool = False):
     if dynamic_m and spec.m_mode is not None:
         shape = tuple(cute.sym_int() if i == spec.m_mode else d for i, d in enumerate(shape))
     return make_fake_compact_tensor(spec.dtype, shape, stride_order=spec.stride_order, assumed_align=align)
+
+def fake_argument(spec, dynamic_m: bool = False):
+    """The fake of one launch argument: `fake_tensor` of an `ArgSpec`, or of each `ArgSpec` of a bundle (a
+    `kernel_bundle` of them, never M long), as that bundle."""
+    if isinstance(spec, ArgSpec):
+        return fake_tensor(spec, dynamic_m=dynamic_m)
+    assert all(s.m_mode is None for s in spec), f"{spec}: a bundle holds no M-long argument"
+    return type(spec)(*(fake_tensor(s) for s in spec))
 
 # %% ../../nbs/13b_sm90_parts.ipynb #91eb0f10
 HIGH_NIBBLES = 0xF0F0F0F0   # keeps the high nibble of each byte, in place

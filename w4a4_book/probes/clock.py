@@ -134,14 +134,15 @@ def tile_clock(args) -> int:
         config, launch, ts = _clocked_launch(Clock, w, lib_out)
         lib_launch(), launch()
         torch.cuda.synchronize()
-        equal = bool(torch.equal(ts[9], lib_out))
+        out, sk = ts[-2], ts[-1]                     # `pg_sk_tensors`: the output, then the stream-K buffers
+        equal = bool(torch.equal(out, lib_out))
         times = {name: time_cuda(f, warmup=10, iters=args.iters, graph=True)["median_ms"] for name, f in
                  (("library", lib_launch), ("clocked", launch))}
-        ts[10].zero_()
+        sk.partials.zero_()
         launch()
         torch.cuda.synchronize()
         tiles = -(-M // config.tile_m) * (N // pg_decode.TILE_N)
-        words = ts[10][:tiles * 2 * WORDS].view(tiles * 2, WORDS).cpu().numpy().astype("int64") % 2 ** 32
+        words = sk.partials[:tiles * 2 * WORDS].view(tiles * 2, WORDS).cpu().numpy().astype("int64") % 2 ** 32
         rows.append(dict(M=M, N=N, K=K, R=R, config=repr(config), equals_library=equal, library_ms=times["library"],
                          clocked_ms=times["clocked"], **tile_rows(words, K, config.tile_k)))
         _print_tile_clock(rows[-1])
