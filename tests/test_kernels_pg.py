@@ -329,11 +329,18 @@ def test_stream_k_equals_whole_tiles(M, N, K, R):
     check_exact(out, case, torch.bfloat16)
 
 
-def test_stream_k_tensors_are_views_of_the_zeroed_stream_workspace():
-    "Stream-K's partials and flags come from this thread's and stream's own zeroed workspace, kept between calls."
+def test_stream_k_tensors_are_views_of_the_zeroed_stream_workspace(monkeypatch):
+    """Stream-K's partials and flags come from this thread's and stream's own zeroed workspace, kept between calls;
+    under a CUDA-graph capture (pretended on the CPU), from a new zeroed buffer that is not kept."""
+    from w4a4_book import cache
     from w4a4_book.kernels.sm90_pg import SK_WORDS, sk_tensors
     cpu = torch.device("cpu")
     partials, flags = sk_tensors(cpu, 2)
     assert (partials.numel(), flags.numel(), int(flags.abs().sum())) == (2 * SK_WORDS, 4, 0)
     assert sk_tensors(cpu, 2)[1].data_ptr() == flags.data_ptr()
     assert [t.numel() for t in sk_tensors(cpu, 0)] == [1, 1]
+    monkeypatch.setattr(cache, "capturing", lambda dev: True)
+    captured = sk_tensors(cpu, 2)[1]
+    assert captured.data_ptr() != flags.data_ptr() and int(captured.abs().sum()) == 0
+    monkeypatch.undo()
+    assert sk_tensors(cpu, 2)[1].data_ptr() == flags.data_ptr()

@@ -684,6 +684,26 @@ def test_the_activation_side_lives_in_a_workspace_per_thread_and_stream(stubbed_
         assert seen[0] != cache.stream_workspace(x.device, 64)[1].data_ptr()
 
 
+def test_under_a_capture_nothing_made_is_kept(stubbed_sm90, monkeypatch):
+    """Under a CUDA-graph capture (`cache.capturing`, pretended on the CPU) a bound forward writes its activation side
+    into a new buffer and keeps no view of it, a new M builds no plan (the checked path runs), and a weight's check is
+    not recorded."""
+    layer, x = sm90_layer("int4_pg", M=16)
+    fresh, _ = sm90_layer("int4_pg", M=16)
+    with torch.no_grad():
+        layer(x)                                                    # the plan, built before the capture
+        (plan,) = bound_plans(layer).values()
+        views, codes = dict(plan.quantize.views), stubbed_sm90[-1][0]
+        monkeypatch.setattr(cache, "capturing", lambda dev: True)
+        layer(x)
+        assert stubbed_sm90[-1][0].data_ptr() != codes.data_ptr()   # the GEMM reads codes from a new buffer
+        assert list(plan.quantize.views) == list(views) and all(plan.quantize.views[k] is views[k] for k in views)
+        layer(torch.randn(5, 512, dtype=torch.bfloat16))
+        assert list(bound_plans(layer).values()) == [plan] and stubbed_sm90[-1][0].shape[0] == 5
+        ops.weights(fresh.qweight_data, fresh.qweight_scales, fresh.fmt, None, fresh.qweight_base)
+        assert fresh.qweight_data not in ops._CHECKED
+
+
 def test_a_workspace_grows_and_its_old_views_are_not_reused(stubbed_sm90):
     """A larger request replaces the thread's buffer; a plan's views of the old buffer are made again on the new one,
     and the plan keeps one set of views per stream, not one per buffer it has seen."""

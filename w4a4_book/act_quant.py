@@ -101,7 +101,7 @@ class BoundRows:
     device (`bind_quantize_rows`). Called with any `x` of those (contiguous), it runs both passes and returns `(codes,
     base, lora_act)`, `lora_act` None at rank 0: in new tensors, or with `workspace=True` in this stream's workspace,
     for a caller that consumes them on this stream before its next call (`ops.BoundLinear`). The row maxima and the LoRA
-    partials always live in the workspace (`stream_workspace`), but under a CUDA-graph capture."""
+    partials always live in the workspace (`stream_workspace`: under a CUDA-graph capture, a buffer the graph owns)."""
     __slots__ = ("first", "second", "sm", "ldt", "R", "buffers", "offsets", "stand_in", "views")
     ALIGN = 256                 # bytes: each buffer of the workspace starts at a multiple (16-byte loads, TMA)
 
@@ -137,19 +137,16 @@ class BoundRows:
     def _tensors(self, dev, workspace: bool) -> tuple:
         "This call's `(rowmax, partial, base, lora_act, codes, codes as int32)`: the workspace's views, or new tensors."
         n = len(self.buffers) if workspace else 2
-        space = stream_workspace(dev, self.offsets[n])
-        if space is None:
-            views = [torch.empty(s, dtype=d, device=dev) for d, s in self.buffers[:n]]
-        else:
-            key, arena = space
-            hit = self.views.get(key)
-            if hit is None or hit[0] is not arena or len(hit[1]) < n:       # a new stream, or its buffer grew
-                with torch.inference_mode(False):
-                    offsets = self.offsets
-                    hit = self.views[key] = (arena, [arena[offsets[i]:offsets[i + 1]].view(d)[:math.prod(s)].view(s)
-                                                     for i, (d, s) in enumerate(self.buffers)
-                                                     if offsets[i + 1] <= arena.numel()])
-            views = hit[1][:n]
+        key, arena = stream_workspace(dev, self.offsets[n])
+        hit = self.views.get(key)
+        if hit is None or hit[0] is not arena or len(hit[1]) < n:       # a new stream, or its buffer grew
+            with torch.inference_mode(False):
+                offsets = self.offsets
+                hit = (arena, [arena[offsets[i]:offsets[i + 1]].view(d)[:math.prod(s)].view(s)
+                               for i, (d, s) in enumerate(self.buffers) if offsets[i + 1] <= arena.numel()])
+            if key is not None:                  # None: made under a CUDA-graph capture, kept by no one
+                self.views[key] = hit
+        views = hit[1][:n]
         if not workspace:
             views += [torch.empty(s, dtype=d, device=dev) for d, s in self.buffers[2:]]
         named = self._named(views)

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Optional
 
 import torch
 
 # %% auto #0
-__all__ = ['MAX_STREAM_WORKSPACES', 'kept', 'derived', 'constant', 'sm_count', 'stream_workspace']
+__all__ = ['MAX_STREAM_WORKSPACES', 'capturing', 'kept', 'derived', 'constant', 'sm_count', 'stream_workspace']
+
+# %% ../nbs/13g_cache.ipynb #1bfe9949
+def capturing(dev: torch.device) -> bool:
+    """Whether work for device `dev` is being captured into a CUDA graph (the current stream is capturing); never off a
+    GPU."""
+    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 # %% ../nbs/13g_cache.ipynb #424d16ec
 _DERIVED: dict = {}   # id of an object -> (a weak reference to it, the dict `kept` for it)
@@ -43,7 +48,7 @@ def derived(t: torch.Tensor, what: str, make, also: tuple = ()):
     if hit is None or hit[0] != key:
         with torch.inference_mode(False):
             hit = (key, make(t))
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not capturing(t.device):
             cache[what] = hit
     return hit[1]
 
@@ -58,7 +63,7 @@ def constant(value, shape: tuple, dtype, dev) -> torch.Tensor:
         return _CONSTANTS[key]
     with torch.inference_mode(False):
         t = torch.full(shape, value, dtype=dtype, device=dev)
-    if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not capturing(t.device):
         _CONSTANTS[key] = t
     return t
 
@@ -74,26 +79,30 @@ def sm_count(device_index) -> int:
 _WORKSPACES = threading.local()      # per thread: (device, stream) → a byte buffer, kept and grown as needed
 MAX_STREAM_WORKSPACES = 16           # per thread: past this many streams the oldest stream's buffer is dropped
 
-def stream_workspace(dev, nbytes: int, name: str = "scratch", zeroed: bool = False) -> Optional[tuple]:
+def _new_bytes(dev, nbytes: int, zeroed: bool) -> torch.Tensor:
+    "A uint8 buffer of `nbytes` on `dev` (`zeroed`: made zero), made outside inference mode."
+    with torch.inference_mode(False):      # views of it are written in and out of inference mode
+        return (torch.zeros if zeroed else torch.empty)(nbytes, dtype=torch.uint8, device=dev)
+
+def stream_workspace(dev, nbytes: int, name: str = "scratch", zeroed: bool = False) -> tuple:
     """`(key, buf)`: a uint8 buffer of at least `nbytes` on `dev`, one per thread, current CUDA stream and `name`
-    (`key`), kept and grown (at least doubled) as needed, for intermediates no caller keeps; None under a CUDA-graph
-    capture (a graph owns its buffers). `zeroed`: made zero, for kernels that leave it zero again (stream-K's flags).
+    (`key`), kept and grown (at least doubled) as needed, for intermediates no caller keeps; under a CUDA-graph
+    capture a new one, kept by no one, and key None (a graph owns its buffers). `zeroed`: made zero, for kernels that
+    leave it zero again (stream-K's flags).
     NOTES: a stream runs its kernels in the order they were enqueued, and one thread enqueues its calls in order,
     so one call's kernels have read the buffer before the next call's kernels write it; two threads on one stream
     interleave, hence per thread. A dropped or outgrown buffer goes back to the caching
     allocator, which gives it only to later work on the stream it was made on."""
-    cuda = dev.type == "cuda"
-    if cuda and torch.cuda.is_current_stream_capturing():
-        return None
+    if capturing(dev):
+        return None, _new_bytes(dev, nbytes, zeroed)
     spaces = getattr(_WORKSPACES, "spaces", None)
     if spaces is None:
         spaces = _WORKSPACES.spaces = {}
-    key = (dev, torch._C._cuda_getCurrentRawStream(dev.index) if cuda else 0, threading.get_ident(), name)
+    stream = torch._C._cuda_getCurrentRawStream(dev.index) if dev.type == "cuda" else 0
+    key = (dev, stream, threading.get_ident(), name)
     buf = spaces.get(key)
     if buf is None or buf.numel() < nbytes:
         if buf is None and len(spaces) >= MAX_STREAM_WORKSPACES:
             del spaces[next(iter(spaces))]
-        with torch.inference_mode(False):      # views of it are written in and out of inference mode
-            size = max(nbytes, 2 * buf.numel() if buf is not None else 0)
-            buf = spaces[key] = (torch.zeros if zeroed else torch.empty)(size, dtype=torch.uint8, device=dev)
+        buf = spaces[key] = _new_bytes(dev, max(nbytes, 2 * buf.numel() if buf is not None else 0), zeroed)
     return key, buf

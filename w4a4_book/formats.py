@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 from fastcore.basics import patch
 
+from .cache import capturing
+
 # %% auto #0
 __all__ = ['GROUP_SIZE', 'FORMATS', 'INT_FORMATS', 'QFORMATS', 'INT4_MIN', 'INT4_MAX', 'E2M1_MAX', 'E4M3_MAX', 'SCALE_DTYPES',
            'INPUT_DTYPES', 'PG_GROUP', 'PG_U_MAX', 'INT8_MAX', 'INT_MAX_ABS', 'K_MULTIPLE', 'INT_RANGE_LIMIT',
@@ -329,7 +331,7 @@ def _check_int_fields(q) -> None:
         raise TypeError("scales (u, uint8 [K/64, rows]) must be given for int4_pg in nibbles")
     if u is not None:
         _check_field("scales", u, torch.uint8, (k // PG_GROUP, rows), d.device, fmt)
-    if d.device.type == "meta" or _VALUES_UNREAD.get() or (d.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if d.device.type == "meta" or _VALUES_UNREAD.get() or capturing(d.device):
         # no values to read: a meta tensor, a kernel's output, or a graph capture
         return
     if not torch.isfinite(q.base).all() or (q.base < 0).any():

@@ -111,8 +111,7 @@ def weights(data: torch.Tensor, scales: torch.Tensor, fmt: str, global_scale=Non
     if ver is not None and _CHECKED.get(data) == ver:
         return QTensor.trusted(data, scales, fmt, global_scale, base)
     q = QTensor(data, scales, fmt, global_scale, base)
-    # a capture checks no value
-    if ver is not None and not (data.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if ver is not None and not cache.capturing(data.device):      # a capture checks no value
         _CHECKED[data] = ver
     return q
 
@@ -247,7 +246,7 @@ def bound_linear(args: list) -> Optional[torch.Tensor]:
     plan = plans.get(key)
     if plan is not None and plan.stamp == stamp:
         return plan(x) if plan.gemm is not None else None
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+    if cache.capturing(x.device):
         return None                # NOTES: a tensor made under a capture is written only by a replay: none is kept
     if any(p.stamp != stamp for p in plans.values()):
         plans.clear()              # new buffers: the plans of the old ones, and the tensors they hold, go

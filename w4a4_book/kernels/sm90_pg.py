@@ -99,9 +99,7 @@ def sk_tensors(dev, slots: int) -> SkBuffers:
     if not slots:
         return SkBuffers(*[constant(0, (1,), torch.int32, dev)] * 2)
     words = slots * SK_WORDS + 2 * slots                   # the partials, then two flags a slot
-    space = stream_workspace(dev, 4 * words, name="stream-K", zeroed=True)
-    buf = space[1] if space is not None else torch.zeros(4 * words, dtype=torch.uint8, device=dev)
-    ints = buf[:4 * words].view(torch.int32)
+    ints = stream_workspace(dev, 4 * words, name="stream-K", zeroed=True)[1][:4 * words].view(torch.int32)
     return SkBuffers(ints[:slots * SK_WORDS], ints[slots * SK_WORDS:])
 
 # %% ../../nbs/09_pg.ipynb #fa501bea
