@@ -701,7 +701,7 @@ def test_under_a_capture_nothing_made_is_kept(stubbed_sm90, monkeypatch):
         layer(torch.randn(5, 512, dtype=torch.bfloat16))
         assert list(bound_plans(layer).values()) == [plan] and stubbed_sm90[-1][0].shape[0] == 5
         ops.weights(fresh.qweight_data, fresh.qweight_scales, fresh.fmt, None, fresh.qweight_base)
-        assert fresh.qweight_data not in ops._CHECKED
+        assert "checked at" not in cache.kept(fresh.qweight_data)
 
 
 def test_a_workspace_grows_and_its_old_views_are_not_reused(stubbed_sm90):

@@ -24,9 +24,10 @@ _DERIVED: dict = {}   # id of an object -> (a weak reference to it, the dict `ke
 
 def kept(obj) -> dict:
     """A dict kept for `obj` (a tensor, a module), dropped when `obj` dies: `derived` keeps `{what: (key, made)}` in a
-    buffer's. NOTES: keyed by `id` with a weak reference beside it rather than a `WeakIdKeyDictionary`: a lookup is one
-    dict probe, not a new weak reference and an `__eq__` (that was a microsecond per argument, a dozen per forward);
-    the reference tells a reused id apart."""
+    buffer's, and `ops` the versions a weight was checked at and its bound plans in the weight's. NOTES: keyed by `id`
+    with a weak reference beside it rather than a `WeakIdKeyDictionary`: a lookup is one dict probe, not a new weak
+    reference and an `__eq__` (that was a microsecond per argument, a dozen per forward); the reference tells a reused
+    id apart."""
     hit = _DERIVED.get(id(obj))
     if hit is not None and hit[0]() is obj:
         return hit[1]

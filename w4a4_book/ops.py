@@ -12,7 +12,6 @@ import types
 from typing import Optional
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import operands, act_quant, cache, heuristics, registry, gemm
 from .formats import PG_GROUP, QTensor, check_fmt, dequantize, quantize, reciprocal, unpack_int4
@@ -95,24 +94,26 @@ def _default_config(problem: Problem):
     return registry.default_config(problem.fmt, problem=problem)
 
 # %% ../nbs/14a_ops.ipynb #1073f7cd
-# weight data tensor -> the (id, version) of the buffers its values were checked at
-_CHECKED = WeakIdKeyDictionary()
-
 def _versions(*ts) -> Optional[tuple]:
     """The `(id, version)` of each tensor of `ts` (None for None), or None when one is an inference tensor: no counter
     records its writes."""
-    if any(t is not None and t.is_inference() for t in ts):
+    try:
+        return tuple(None if t is None else (id(t), t._version) for t in ts)
+    except RuntimeError:          # an inference tensor has no version counter: nothing can tell a write to it
         return None
-    return tuple(None if t is None else (id(t), t._version) for t in ts)
 
 def weights(data: torch.Tensor, scales: torch.Tensor, fmt: str, global_scale=None, base=None) -> QTensor:
-    "The weight `QTensor` over a layer's buffers: its values checked on first use, then trusted until a buffer changes."
+    """The weight `QTensor` over a layer's buffers: its values checked on first use, then trusted until a buffer changes
+    (the `(id, version)` of the buffers checked is kept with `data`, `cache.kept`)."""
     ver = _versions(data, scales, global_scale, base)
-    if ver is not None and _CHECKED.get(data) == ver:
+    if ver is None:
+        return QTensor(data, scales, fmt, global_scale, base)
+    seen = cache.kept(data)
+    if seen.get("checked at") == ver:
         return QTensor.trusted(data, scales, fmt, global_scale, base)
     q = QTensor(data, scales, fmt, global_scale, base)
-    if ver is not None and not cache.capturing(data.device):      # a capture checks no value
-        _CHECKED[data] = ver
+    if not cache.capturing(data.device):      # a capture checks no value
+        seen["checked at"] = ver
     return q
 
 def lora_down_t(lora_down: torch.Tensor) -> torch.Tensor:
@@ -224,10 +225,8 @@ class BoundLinear:
 def _stamp(args: list) -> Optional[tuple]:
     """The `(id, version)` of each tensor argument of `w4a4::linear` but `x`, and its strings; None when one is an
     inference tensor."""
-    try:
-        return tuple(None if t is None else (id(t), t._version) for t in args[1:10]) + tuple(args[10:])
-    except RuntimeError:          # an inference tensor has no version counter: nothing can tell a write to it
-        return None
+    ver = _versions(*args[1:10])
+    return None if ver is None else ver + tuple(args[10:])
 
 def bound_linear(args: list) -> Optional[torch.Tensor]:
     """`w4a4::linear` on `args` through the `BoundLinear` kept with the weights (`cache.kept(qweight_data)`, dropped
