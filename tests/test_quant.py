@@ -210,7 +210,7 @@ def test_one_compiled_kernel_per_pass_serves_every_m(fmt):
     for key in mine():                                                               # compiled afresh here, whatever ran before
         del jit._compiled[key]
     for M in (1, 17, 256, 1024):
-        assert heuristics.k_splits(-(-M // 64), K // G, cache.sm_count(dev.index)) == K // G   # one share count for all four
+        assert act_quant.activation_k_splits(M, K, cache.sm_count(dev.index)) == K // G   # one share count for all four
         x = (torch.randn(M, K, device="cuda", generator=g) * 3).bfloat16()
         act, lora_act = act_quant.quantize_lora_down(x, lam, ldt, fmt=fmt)
         ref = quantize(x.float() * reciprocal(lam.float()), fmt, torch.bfloat16 if fmt == "int4" else None)

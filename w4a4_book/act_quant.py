@@ -20,8 +20,8 @@ from .jit import compile_on_fakes, launchable
 
 # %% auto #0
 __all__ = ['QUANT_ARGS', 'ROW_CODES_ARGS', 'ACTIVATION_FORMATS', 'SMEM_PER_BLOCK', 'ONE_PASS_ARGS', 'QUANT_MODES', 'quant_specs',
-           'quantize_lora_down', 'BoundRows', 'bind_quantize_rows', 'one_pass_smem', 'one_pass_cluster',
-           'quantize_rows_one_pass', 'compile_quant']
+           'activation_k_splits', 'quantize_lora_down', 'BoundRows', 'bind_quantize_rows', 'one_pass_smem',
+           'one_pass_cluster', 'quantize_rows_one_pass', 'compile_quant']
 
 # %% ../nbs/15a_act_quant.ipynb #ba26ac2b
 QUANT_ARGS = ("x", "recip_smooth", "lora_down_t", "codes", "aux", "lora")   # the activation kernel's tensors, in order
@@ -49,6 +49,13 @@ def _launch_quant(key, make, tensors: list, names=QUANT_ARGS):
     M at run time) by `compile_launchable`, as the GEMM is."""
     launchable(key, tensors[0].device, _quant_compiler(make, names, tensors))(*tensors)
 
+# %% ../nbs/15a_act_quant.ipynb #fead84d8
+def activation_k_splits(M: int, K: int, num_sms: int, ctas_per_sm: int = ACT_CTAS_PER_SM) -> int:
+    """The K shares per row tile of the activation kernels on an `M`×`K` input on a GPU of `num_sms` SMs:
+    `heuristics.k_splits` of its `QuantLoraDown.tile_m`-row tiles and `G`-wide K-blocks."""
+    from w4a4_book.kernels.sm90_quant import QuantLoraDown, G
+    return k_splits(-(-M // QuantLoraDown.tile_m), K // G, num_sms, ctas_per_sm)
+
 # %% ../nbs/15a_act_quant.ipynb #65e0c428
 ACTIVATION_FORMATS = ("int4", "int4_pg", "int8")   # what the fused activation kernel can write
 
@@ -73,12 +80,11 @@ def quantize_lora_down(x, smooth=None, lora_down_t=None, *, fmt="int4", stages=A
 def _quant_setup(x, smooth, lora_down_t, fmt, stages, ctas_per_sm) -> dict:
     """Check the activation kernel's inputs and make what its launches take besides `x`: the K shares `ks`, `1/smooth`
     (`sm`), `lora_down_t` (`ldt`, stand-ins where absent) and the compile signature `sig`."""
-    from w4a4_book.kernels.sm90_quant import QuantLoraDown, G, MAX_RANK
+    from w4a4_book.kernels.sm90_quant import G, MAX_RANK
     if fmt not in ACTIVATION_FORMATS:
         fail(ValueError, "fmt", f"{fmt!r}: the activation kernel writes one of {ACTIVATION_FORMATS}")
     M, K, R = operands.check_quant_inputs(x, smooth, lora_down_t, group_size=G, max_rank=MAX_RANK)
-    dev = x.device
-    ks = k_splits(-(-M // QuantLoraDown.tile_m), K // G, sm_count(dev.index), ctas_per_sm)
+    ks = activation_k_splits(M, K, sm_count(x.device.index), ctas_per_sm)
     sig = (K, R, x.dtype, smooth is not None, stages, ks)   # the kernels are specialised on every shape but M
     return dict(_weight_side(x, smooth, lora_down_t), ks=ks, sig=sig)
 

@@ -245,7 +245,7 @@ def _time_activation(M, K, R, fmt, cps, stages, copy, iters, warmup) -> dict:
     """One row of `run_activation_bench`: graph, eager and stream times of one format and grid point, its bytes and
     bandwidth, and the stream time of a copy of as many bytes."""
     x, smooth, ldt = _activation_inputs(M, K, R)
-    splits = heuristics.k_splits(-(-M // 64), K // 64, cache.sm_count(torch.cuda.current_device()), cps)
+    splits = act_quant.activation_k_splits(M, K, cache.sm_count(torch.cuda.current_device()), cps)
     call = lambda x: act_quant.quantize_lora_down(x, smooth, ldt, fmt=fmt, stages=stages, ctas_per_sm=cps)
     eager = time_cuda(lambda: call(x), warmup=warmup, iters=iters)
     t = time_cuda(lambda: call(x), warmup=warmup, iters=iters, graph=True)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .. import act_quant, cache, heuristics, gemm
+from .. import act_quant, cache, gemm
 from ..records import provenance, save_record
 from ..bench.layer import _activation_inputs, activation_bytes, copy_bandwidth
 from ..bench.timing import time_cuda
@@ -166,7 +166,7 @@ def _floor_pieces(M: int, K: int, R: int) -> tuple:
     x, smooth, ldt = _activation_inputs(M, K, R)
     bound = act_quant.bind_quantize_rows(x, smooth, ldt, fmt="int4_pg")
     rowmax, partial, base, lora_act, _, codes32 = bound._tensors(x.device, False)
-    splits = heuristics.k_splits(-(-M // 64), K // 64, cache.sm_count(torch.cuda.current_device()))
+    splits = act_quant.activation_k_splits(M, K, cache.sm_count(torch.cuda.current_device()))
     nbytes = activation_bytes(M, K, R, "int4_pg", splits)
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -209,7 +209,7 @@ def _one_pass_runs(M: int, K: int, R: int, fmt: str, x, smooth, ldt) -> tuple:
     """`(k_splits, runs)`: the two passes' K splits, and a `(method, cluster, call, bytes)` of the two passes, then of
     the one pass at each cluster that fits."""
     from w4a4_book.kernels.sm90_quant import QuantLoraDown
-    splits = heuristics.k_splits(-(-M // 64), K // 64, cache.sm_count(torch.cuda.current_device()))
+    splits = act_quant.activation_k_splits(M, K, cache.sm_count(torch.cuda.current_device()))
     runs = [("two_pass", None, lambda: act_quant.quantize_lora_down(x, smooth, ldt, fmt=fmt),
              activation_bytes(M, K, R, fmt, splits))]
     for c in range(2, QuantLoraDown.MAX_CLUSTER + 1):
