@@ -338,3 +338,44 @@ def test_images_exist(book):
                 for src in re.findall(r"!\[[^\]]*\]\(([^)\s]+)", "".join(c["source"])):
                     if not src.startswith(("data:", "http://", "https://", "attachment:")):
                         assert (nb_path.parent/src).is_file(), f"{nb_path.name} links {src}, missing"
+
+
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*$", re.M)
+BOOK_LINK = re.compile(r"\]\(((?:\d+[a-z]?_\w+|index)\.ipynb)?#([^)\s]+)\)")
+
+
+def heading_ids(nb: dict) -> set:
+    """The identifiers of a notebook's headings, in its Markdown and in its stored Markdown outputs (`show_doc`'s), as
+    smalldocs makes them: Pandoc's rules on the heading's plain text, `-1`, `-2`... after a repeat, or the `{#id}`."""
+    from smalldocs.markdown import pandoc_id
+    ids = set()
+    for c in nb["cells"]:
+        texts = ["".join(c["source"])] if c["cell_type"] == "markdown" else []
+        texts += ["".join(o["data"]["text/markdown"]) for o in c.get("outputs", []) if "text/markdown" in o.get("data", {})]
+        for text in texts:
+            for head in HEADING.findall(FENCE.sub("", text)):
+                given = re.search(r"\{#([\w.-]+)[^}]*\}$", head)
+                plain = re.sub(r"[`*]", "", re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", re.sub(r"\{[^}]*\}$", "", head)))
+                base = given.group(1) if given else pandoc_id(plain)
+                ident, n = base, 0
+                while ident in ids and not given:
+                    n, ident = n + 1, f"{base}-{n + 1}"
+                ids.add(ident)
+    return ids
+
+
+def test_links_into_the_book_land_on_a_heading():
+    "Every link `NN_name.ipynb#anchor` (or `#anchor`) in a chapter's Markdown names a heading of that chapter."
+    nbs = {p.name: json.loads(p.read_text()) for p in sorted(NBS.glob("*.ipynb"))}
+    ids = {name: heading_ids(nb) for name, nb in nbs.items()}
+    dead = [f"{name}: {target or name}#{anchor}" for name, nb in nbs.items() for c in nb["cells"]
+            if c["cell_type"] == "markdown" for target, anchor in BOOK_LINK.findall("".join(c["source"]))
+            if anchor not in ids.get(target or name, ())]
+    assert not dead, "links to no heading:\n" + "\n".join(dead)
+
+
+def test_heading_ids_follow_smalldocs():
+    nb = {"cells": [{"cell_type": "markdown", "source": ["## The `int4_pg` kernel, [measured](x.ipynb)\n", "## A, b\n",
+                                                        "## A b\n", "## Other {#named}\n", "```\n# not a heading\n```"]}]}
+    assert heading_ids(nb) == {"the-int4_pg-kernel-measured", "a-b", "a-b-1", "named"}
