@@ -294,13 +294,13 @@ def measure_lora_bug(problems=LORA_BUG_PROBLEMS, *, config=LORA_BUG_CONFIG, swee
     gpu, label, keys = torch.cuda.get_device_name(), config_label(config), _keys(config)
     rows = []
     for M, N, K, R in problems:
-        w = workloads.make_workload(M, N, K, R, fmt=keys["fmt"])
-        budgets = {a: _main_stages(replace(config, lora_accounting=a), w.problem) for a in (BUG, FIX)}
+        work = workloads.make_workload(M, N, K, R, fmt=keys["fmt"])
+        budgets = {acct: _main_stages(replace(config, lora_accounting=acct), work.problem) for acct in (BUG, FIX)}
         if budgets[FIX][0] == 0:
             if not quiet:
                 print(f"{label} {M}x{N}x{K} R={R}: no main stage fits even under the fix; left out", flush=True)
             continue
-        ref = w4a4_gemm_dequant(*w.operands)
+        ref = w4a4_gemm_dequant(*work.operands)
         out = {}
         for acct in (BUG, FIX):
             cfg = replace(config, lora_accounting=acct)
@@ -308,23 +308,24 @@ def measure_lora_bug(problems=LORA_BUG_PROBLEMS, *, config=LORA_BUG_CONFIG, swee
             if budgets[acct][0] == 0:            # the bug leaves no stage: the kernel cannot be built at all
                 out[acct] = dict(row, tflops=None, mfu=None, note=budgets[acct][1])
                 continue
-            budget = smem.solve(cfg, w.problem)     # the budget the launched kernel is built with
+            budget = smem.solve(cfg, work.problem)     # the budget the launched kernel is built with
             out[acct] = dict(row, charged=budget.total, allocated=budget.allocated,
-                             **_time_build(w, cfg, ref, gpu, iters, warmup))
-        b, f = out[BUG], out[FIX]
-        ratio = f["tflops"] / b["tflops"] if b["tflops"] else None
-        for r in out.values(): r["fixed_over_bug"] = ratio
+                             **_time_build(work, cfg, ref, gpu, iters, warmup))
+        bug, fixed = out[BUG], out[FIX]
+        ratio = fixed["tflops"] / bug["tflops"] if bug["tflops"] else None
+        for measured in out.values(): measured["fixed_over_bug"] = ratio
         rows += out.values()
         if sweep:
-            lo = smem.family_of(config).min_stages
-            for s in sorted(set(range(lo, f["main_stages"])) - {b["main_stages"]}):
-                cfg = replace(config, lora_accounting=FIX, stages=s)
-                rows.append(dict(**keys, M=M, N=N, K=K, R=R, accounting=FIX, main_stages=s, forced=True,
-                                 **_time_build(w, cfg, ref, gpu, iters, warmup)))
+            fewest = smem.family_of(config).min_stages
+            for stages in sorted(set(range(fewest, fixed["main_stages"])) - {bug["main_stages"]}):
+                cfg = replace(config, lora_accounting=FIX, stages=stages)
+                rows.append(dict(**keys, M=M, N=N, K=K, R=R, accounting=FIX, main_stages=stages, forced=True,
+                                 **_time_build(work, cfg, ref, gpu, iters, warmup)))
         if not quiet:
-            bug = "does not build" if b["tflops"] is None else f"{b['tflops']:.0f}"
-            print(f"{label} {M}x{N}x{K} R={R}: main stages {b['main_stages']} (bug) -> {f['main_stages']} (fixed), "
-                  f"{bug} -> {f['tflops']:.0f} TFLOP/s" + ("" if ratio is None else f", fixed/bug {ratio:.2f}"),
+            bug_tflops = "does not build" if bug["tflops"] is None else f"{bug['tflops']:.0f}"
+            print(f"{label} {M}x{N}x{K} R={R}: main stages {bug['main_stages']} (bug) -> {fixed['main_stages']} "
+                  f"(fixed), {bug_tflops} -> {fixed['tflops']:.0f} TFLOP/s"
+                  + ("" if ratio is None else f", fixed/bug {ratio:.2f}"),
                   flush=True)
     return rows
 
