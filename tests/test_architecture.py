@@ -1,5 +1,5 @@
 """The library's shape, checked: imports run one way down the layers, no module imports another that imports it back,
-no function is longer than 100 lines nor takes more than 10 parameters, pyflakes finds nothing, and `import w4a4_book`
+no function is longer than 80 lines nor takes more than 10 parameters, pyflakes finds nothing, and `import w4a4_book`
 gives the public surface."""
 import ast
 import fnmatch
@@ -100,32 +100,37 @@ def test_no_import_cycles():
         visit(n, [])
 
 
-def test_no_function_over_100_lines():
+MAX_LINES = 80
+
+
+def test_no_function_over_80_lines():
     long = []
     for name, path in modules():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
-                if n > 100:
+                if n > MAX_LINES:
                     long.append(f"{name}.{node.name}: {n} lines")
     assert not long, "\n".join(long)
 
 
 NBDEV_ALL_HEADER = "# %% auto #0"   # nbdev writes the module's `__all__` on the line below this one
+NBDEV_ALL_PREFIX = "__all__ = "
 
 
 def test_package_lines_at_most_120():
-    """No line of `w4a4_book/**/*.py` is over 120 characters, but those nbdev writes itself: its index `_modidx.py`,
-    and the line `__all__ = [...` under `# %% auto #0`, which no notebook can shorten (nbdev wraps the list at 120
-    and then puts `__all__ = ` before it; where a second notebook exports into the module, it writes one line)."""
+    """No line of `w4a4_book/**/*.py` is over 120 characters, but what nbdev writes itself: its index `_modidx.py`,
+    and the first line of a module's `__all__` (under `# %% auto #0`), which nbdev wraps at 120 characters before it
+    puts `__all__ = ` in front, so up to 130. Only the notebook of a module's `default_exp` may export into it: a cell
+    of another notebook makes nbdev rewrite `__all__` as one line, which this test refuses."""
     long = []
     for p in sorted(PKG.rglob("*.py")):
         if p.name == "_modidx.py":
             continue
         lines = p.read_text().splitlines()
         for i, line in enumerate(lines):
-            nbdev_all = i > 0 and lines[i - 1] == NBDEV_ALL_HEADER and line.startswith("__all__ = [")
-            if len(line) > 120 and not nbdev_all:
+            nbdev_all = i > 0 and lines[i - 1] == NBDEV_ALL_HEADER and line.startswith(NBDEV_ALL_PREFIX + "[")
+            if len(line) > 120 + (len(NBDEV_ALL_PREFIX) if nbdev_all else 0):
                 long.append(f"{p.relative_to(PKG)}:{i + 1}: {len(line)} characters")
     assert not long, f"{len(long)} lines over 120 characters:\n" + "\n".join(long)
 

@@ -364,7 +364,7 @@ def test_pg_methods_launch_their_looked_up_config(monkeypatch):
 
 
 def test_budget_of_a_kernel_method():
-    "The stages a kernel method runs with are the solver's for its config bound to the workload's problem."
+    "The stages a kernel method runs with are the solver's for its config at the workload's problem."
     from w4a4_book import smem
     p = make_workload(64, 128, 3840, 128, device="cpu").problem
     stages = {m.name: smem.solve(m.config, p).stages["main"] for m in KERNELS}

@@ -150,10 +150,10 @@ def default_config(fmt: Optional[str] = None, arch: str = "sm_90a", problem=None
     if problem is not None: expect_problem(problem)
     if not isinstance(fmt, (str, type(None))): fail(TypeError, "fmt", f"must be a str or None, got {fmt!r}")
     if not isinstance(arch, str): fail(TypeError, "arch", f"must be a str, got {arch!r}")
-    cfg = _default_unbound(fmt, arch)
+    cfg = _field_defaults(fmt, arch)
     return cfg if problem is None else tile_choice(cfg, problem)
 
 @functools.lru_cache(maxsize=None)
-def _default_unbound(fmt, arch):
+def _field_defaults(fmt, arch):
     "`default_config` without a problem, made (and checked) once: configs are frozen."
     return find_kernel(None, fmt, arch).config()

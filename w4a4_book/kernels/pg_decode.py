@@ -69,16 +69,18 @@ def prepack_weights(w: formats.QTensor) -> tuple:
         operands.fail(ValueError, "wgt", f"shape {list(w.shape)}: N and K must be multiples of {TILE_N} and {TILE_K}")
     NB, KB = N // TILE_N, K // TILE_K
     code = torch.as_tensor(CODE_OF_Q, device=w.device)[formats.unpack_int4(w.data).long() + 8]   # [N, K]
-    c = code.reshape(NB, TILE_N, KB, TILE_K).permute(0, 2, 1, 3)               # (NB, KB, row, k)
+    tiles = code.reshape(NB, TILE_N, KB, TILE_K).permute(0, 2, 1, 3)           # (NB, KB, row, k)
     row, k0 = fragment_grids(w.device)
-    b = torch.arange(4, device=w.device)
-    lo = c[:, :, row[:, None], k0[:, None] + b]                                # (NB, KB, 2048, 4)
-    hi = c[:, :, row[:, None], k0[:, None] + 16 + b]
-    words = ((lo << (4 * b)) | (hi << (16 + 4 * b))).sum(-1)                   # nibble b: lo; nibble 4 + b: hi
-    u = w.scales.to(torch.int64).reshape(KB, 2, NB, TILE_N).permute(2, 0, 3, 1)   # (NB, KB, row, group)
-    wg, warp, r, g, h = torch.meshgrid(*(torch.arange(n, device=w.device) for n in (2, 4, 8, 2, 2)), indexing="ij")
-    ub = (TABLE_WORDS * u[:, :, 64 * wg + 16 * warp + r + 8 * h, g]) << (8 * (2 * g + h))   # (NB, KB, 2, 4, 8, 2, 2)
-    uwords = ub.reshape(NB, KB, WORDS_U, 4).sum(-1)
+    nibble = torch.arange(4, device=w.device)
+    lo = tiles[:, :, row[:, None], k0[:, None] + nibble]                       # (NB, KB, 2048, 4)
+    hi = tiles[:, :, row[:, None], k0[:, None] + 16 + nibble]
+    words = ((lo << (4 * nibble)) | (hi << (16 + 4 * nibble))).sum(-1)         # nibble b: lo; nibble 4 + b: hi
+    group_u = w.scales.to(torch.int64).reshape(KB, 2, NB, TILE_N).permute(2, 0, 3, 1)   # (NB, KB, row, group)
+    axes = (torch.arange(n, device=w.device) for n in (2, 4, 8, 2, 2))
+    wg, warp, lane_row, group, half = torch.meshgrid(*axes, indexing="ij")
+    u_bytes = TABLE_WORDS * group_u[:, :, 64 * wg + 16 * warp + lane_row + 8 * half, group]
+    u_bytes = u_bytes << (8 * (2 * group + half))                              # (NB, KB, 2, 4, 8, 2, 2)
+    uwords = u_bytes.reshape(NB, KB, WORDS_U, 4).sum(-1)
     as_i32 = lambda x: torch.where(x >= 2 ** 31, x - 2 ** 32, x).to(torch.int32)
     wq = as_i32(words).reshape(NB, KB, 8, 256).permute(3, 2, 1, 0)            # (256, 8, KB, NB)
     return wq, as_i32(uwords).permute(2, 1, 0)                                 # (64, KB, NB)
