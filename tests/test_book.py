@@ -395,9 +395,6 @@ def doc_words(md: str) -> str:
     return re.sub(r",?\s*\)", ")", " ".join(md.replace("*", "").split()).replace("( ", "("))
 
 
-NOT_YET_REFRESHED = {"02_formats.ipynb"}   # stale today (its docstrings changed): refresh it, then empty this
-
-
 def stored_show_docs():
     "Every `show_doc(name)` cell with a stored output: (notebook, name, the stored Markdown, the modules it may be in)."
     for p in sorted(NBS.glob("*.ipynb")):
@@ -422,8 +419,6 @@ def test_stored_show_docs_match_the_code():
         obj = next(eval(name, s) for s in spaces if name.split(".")[0] in s)
         if doc_words(show_doc(obj)._repr_markdown_()) != doc_words(stored):
             stale.add(f"{nb}: {name}")
-    assert {s.split(":")[0] for s in stale} >= NOT_YET_REFRESHED, "refreshed: take it out of NOT_YET_REFRESHED"
-    stale = {s for s in stale if s.split(":")[0] not in NOT_YET_REFRESHED}
     assert not stale, "stale show_doc outputs (python tools/refresh_outputs.py NOTEBOOK):\n" + "\n".join(sorted(stale))
 
 
