@@ -30,17 +30,9 @@ WORDS = 8
 
 def clock_kernel_class():
     "The library's int4_pg kernel class with the clock reads (built on first use: it imports CuTe DSL)."
-    import cutlass
     import cutlass.cute as cute
-    from cutlass.cutlass_dsl import T, dsl_user_op
-    from cutlass._mlir.dialects import llvm
     from w4a4_book.kernels import pg_decode, pg_variants, sm90_pg
-
-    @dsl_user_op
-    def special(reg, *, loc=None, ip=None):
-        "A 32-bit special register (`%clock`, `%globaltimer_lo`), read where it stands (volatile)."
-        return cutlass.Int32(llvm.inline_asm(T.i32(), [], f"mov.u32 $0, %{reg};", "=r", has_side_effects=True,
-                                             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    from w4a4_book.kernels.ptx import special_i32
 
     class ClockGemm(sm90_pg.W4A4GemmPg):
         "`W4A4GemmPg` with a tile's clock reads in the stream-K workspace (`pg_sk_arguments`)."
@@ -48,25 +40,25 @@ def clock_kernel_class():
         tensors = staticmethod(pg_variants.pg_sk_tensors)
 
         def unit_kloop(self, kl, states, kt, after_first=None):
-            self._marks = [special("clock"), special("globaltimer_lo")]
+            self._marks = [special_i32("clock"), special_i32("globaltimer_lo")]
             out = super().unit_kloop(kl, states, kt, after_first)
-            self._marks.append(special("clock"))
+            self._marks.append(special_i32("clock"))
             return out
 
         def epi_reads(self, cta, pre, t, wgi, m, n):
             out = super().epi_reads(cta, pre, t, wgi, m, n)
-            self._marks.append(special("clock"))
+            self._marks.append(special_i32("clock"))
             return out
 
         def finish(self, reads, views, accf, tCcC, out, e):
             if e == 0:                                  # the tile's first sub-tile: the affine and the stores begin
-                self._marks.append(special("clock"))
+                self._marks.append(special_i32("clock"))
             super().finish(reads, views, accf, tCcC, out, e)
 
         @cute.jit
         def unit_end(self, cta, thr, lcons, pre, m, n, role, held=None):
             lcons = super().unit_end(cta, thr, lcons, pre, m, n, role, held)
-            c2, g2 = special("clock"), special("globaltimer_lo")
+            c2, g2 = special_i32("clock"), special_i32("globaltimer_lo")
             t, wgi, vecs = thr.t, thr.wgi, cta.vecs
             c0, g0, c1, ca, cb = self._marks
             w = ((m * (self.problem.N // pg_decode.TILE_N) + n) * 2 + wgi) * WORDS
