@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import json
+import os
 import re
 import subprocess
 import sys
@@ -18,13 +20,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from . import configs, act_quant, jit, registry, gemm
+import torch
+
+from . import configs, act_quant, heuristics, jit, registry, gemm
+from .operands import Problem
 
 # %% auto #0
-__all__ = ['QUANT_CASES', 'SM100_V1_CASES', 'SM100_V2_CASES', 'PTX_SHAPE', 'SANITIZE_SHAPE', 'SANITIZERS', 'LAUNCH_TIMEOUT_S',
-           'ACTIVATION_CASES', 'RECORDS', 'gemm_cases', 'sm100_cases', 'kernel_ptx', 'digest', 'gemm_ptx', 'digests',
-           'read_digests', 'refused_cases', 'cases', 'launch', 'parse_sanitizer', 'sanitize_case', 'parse_junit',
-           'run_sanitize', 'run_diagnose', 'run_suite', 'run_records', 'check_parser', 'main']
+__all__ = ['QUANT_CASES', 'SM100_V1_CASES', 'SM100_V2_CASES', 'PTX_SHAPE', 'DECODE_COST_PROBLEM', 'SANITIZE_SHAPE', 'SANITIZERS',
+           'LAUNCH_TIMEOUT_S', 'ACTIVATION_CASES', 'RECORDS', 'gemm_cases', 'sm100_cases', 'option_cases', 'kernel_ptx',
+           'digest', 'gemm_ptx', 'digests', 'read_digests', 'sm100_digests', 'probe_digests', 'refused_cases', 'cases',
+           'launch', 'parse_sanitizer', 'sanitize_case', 'parse_junit', 'run_sanitize', 'run_diagnose', 'run_suite',
+           'run_records', 'check_parser', 'main']
 
 # %% ../nbs/24_running.ipynb #6536c60d
 def gemm_cases() -> dict:
@@ -55,6 +61,24 @@ def sm100_cases() -> dict:
           for g, R, a, n, s in SM100_V2_CASES}
     return {**v1, **v2}
 
+# %% ../nbs/24_running.ipynb #0c7a5e02
+def option_cases() -> dict:
+    """The sm_90a configs beyond `gemm_cases` that a default launch or a tool builds: each tile of
+    `heuristics.TILE_CHOICES`, and each other value of a kernel option: `{name: (config, R)}`."""
+    pg, v2 = configs.HopperPgConfig, configs.HopperV2Config
+    tiles = {f"v2 int4_pg tile_m={tm} epi_tile_m={et} epi_stages={es} epi_vectors={vec} epi_deferred={held}":
+             (pg(tile_m=tm, epi_tile_m=et, epi_stages=es, epi_vectors=vec, epi_deferred=held), 32)
+             for tm, et, es, vec, held in heuristics.TILE_CHOICES[pg]}
+    ablations = (("decode",), ("promote",), configs.ABLATIONS)          # the benchmarks' diagnostics
+    ring = gemm_cases()["v2 int4_pg lora ring"][0]
+    return {**tiles, "v2 int4 promotion=i2f": (v2(promotion="i2f"), 32),
+            **{f"v2 int4 ablate={'+'.join(a)}": (v2(ablate=a), 32) for a in ablations},
+            "v2 int4 pair lora_accounting=pair": (v2(cluster_n=2, lora_accounting="pair"), 128),
+            "v2 int4_pg lora ring lora_accounting=pair": (replace(ring, lora_accounting="pair"), 128),
+            "v1 int4_pg epi_vectors=smem": (configs.HopperPgV1Config(epi_vectors="smem"), 32),
+            "v2 int4_pg smem epi_vectors=smem": (configs.HopperPgSmemConfig(epi_vectors="smem"), 32),
+            "v2sk int4_pg epi_vectors=global": (configs.HopperPgStreamKConfig(epi_vectors="global"), 32)}
+
 # %% ../nbs/24_running.ipynb #3ec56956
 PTX_SHAPE = (4352, 3072, 3840)     # a layer of FLUX.1's: M is a run-time value, N and K are compiled in
 
@@ -75,19 +99,76 @@ def gemm_ptx(config, R: int, arch=None) -> str:
     return jit.compile_kernel(config, jit.example_problem(registry.spec_for(config), *PTX_SHAPE, R), arch=arch).ptx
 
 def digests(sm100: bool = False) -> dict:
-    "`{case: digest}` of every sm_90a GEMM case and activation-kernel mode (and the sm_100a kernels with `sm100`)."
-    out = {case: digest(gemm_ptx(config, R)) for case, (config, R) in gemm_cases().items()}
+    """`{case: digest}` of every sm_90a GEMM case (`gemm_cases`, then `option_cases`), activation-kernel mode and probe
+    kernel (`probe_digests`), and of the sm_100a kernels with `sm100` (`sm100_digests`)."""
+    out = {case: digest(gemm_ptx(config, R)) for case, (config, R) in {**gemm_cases(), **option_cases()}.items()}
     for mode in act_quant.QUANT_MODES:
         for R, smooth in QUANT_CASES:
             ptx = act_quant.compile_quant(R=R, smooth=smooth, mode=mode)[0]
             out[f"activation {mode} R={R} smooth={smooth}"] = digest(ptx)
-    for case, (config, R) in (sm100_cases() if sm100 else {}).items():
-        out[case] = digest(gemm_ptx(config, R, "sm_100a"))
-    return out
+    return {**out, **probe_digests(), **(sm100_digests() if sm100 else {})}
 
 def read_digests(text: str) -> dict:
     "`{case: digest}` of the lines `DIGEST  CASE` of `text`, as `tests/ptx_digests.txt` holds them."
     return {case: d for d, case in (l.split("  ", 1) for l in text.splitlines() if l.strip())}
+
+# %% ../nbs/24_running.ipynb #0c7a5e05
+def _fresh(call: str, **env) -> dict:
+    "What `checks.<call>` returns (a dict of str), called in a fresh interpreter with `env` added to its environment."
+    code = f"import json; from w4a4_book import checks; print('RESULT ' + json.dumps(checks.{call}))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
+    line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if r.returncode or line is None:
+        raise RuntimeError(f"checks.{call} failed in its interpreter:\n{r.stderr[-4000:]}")
+    return json.loads(line[len("RESULT "):])
+
+def _sm100_digests_here() -> dict:
+    "`{case: digest}` of the sm_100a kernels, in this process (whose `CUTE_DSL_ARCH` must be sm_90a)."
+    return {case: digest(gemm_ptx(config, R, "sm_100a")) for case, (config, R) in sm100_cases().items()}
+
+def sm100_digests() -> dict:
+    "`{case: digest}` of the sm_100a kernels of `sm100_cases`, compiled in one fresh interpreter."
+    return _fresh("_sm100_digests_here()", CUTE_DSL_ARCH="sm_90a")
+
+# decode-cost's problem at `PTX_SHAPE`: the GEMM alone (no LoRA, wcscales or bias), fp16 out
+DECODE_COST_PROBLEM = Problem(*PTX_SHAPE, 0, scale_dtype=torch.uint8, lora_dtype=torch.float16,
+                              out_dtype=torch.float16, has_scale=False, has_bias=False, fmt="int4_pg")
+
+def _decode_ptx() -> str:
+    "The PTX of decode-cost's kernel, with the decode this process has, on `DECODE_COST_PROBLEM` at the library's tile."
+    p = DECODE_COST_PROBLEM
+    return jit.compile_kernel(registry.default_config("int4_pg", problem=p), p).ptx
+
+def _patched_decode_digests() -> dict:
+    "`{case: digest}` of each decode-cost variant but `table`, patched into this process in turn (`patch_decode`)."
+    from w4a4_book.probes import decode
+    out = {}
+    for variant in (v for v in decode.DECODE_VARIANTS if v != "table"):
+        decode.patch_decode(variant)
+        out[f"probe decode-cost {variant}"] = digest(_decode_ptx())
+    return out
+
+def _chase_ptx() -> str:
+    "The PTX of the depth model's pointer chase (`bench.latency`) on fake tensors of the DRAM chase's buffer."
+    import cutlass, cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from w4a4_book.bench import latency
+    fake = lambda n: make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=16)
+    with tempfile.TemporaryDirectory() as d:
+        cute.compile(latency.PointerChase(), fake(latency.CHASE_BYTES // 4), fake(1), cutlass.Int32(latency.CHASE_HOPS),
+                     make_fake_stream(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}")
+        return "".join(p.read_text() for p in sorted(Path(d).glob("*.ptx")))
+
+def probe_digests() -> dict:
+    """`{case: digest}` of the probes' own kernels: tile-clock's at rank `TILE_CLOCK_OPTIONS['rank']`, decode-cost's
+    under each of `DECODE_VARIANTS` (each at `PTX_SHAPE` and the library's tile), and the pointer chase."""
+    from w4a4_book.probes import clock
+    p = jit.example_problem(registry.find_kernel(fmt="int4_pg"), *PTX_SHAPE, clock.TILE_CLOCK_OPTIONS["rank"])
+    config = registry.default_config("int4_pg", problem=p)
+    kernel, specs, dynamic_m = clock.clocked_build(clock.clock_kernel_class(), config, p, heuristics.DEFAULT_NUM_SMS)
+    return {"probe tile-clock": digest(jit.compile_on_fakes(kernel, specs, dynamic_m=dynamic_m)[0]),
+            "probe decode-cost table": digest(_decode_ptx()), **_fresh("_patched_decode_digests()"),
+            "probe pointer chase": digest(_chase_ptx())}
 
 # %% ../nbs/24_running.ipynb #be160046
 SANITIZE_SHAPE = (300, 512, 512)    # M: a partial tile; N: two pairs of 128 columns; K: four K-blocks

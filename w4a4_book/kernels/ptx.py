@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['fence_gpu', 'arrive_release_gpu', 'load_relaxed_gpu', 'store_relaxed_gpu', 'nanosleep', 'div_rn', 'mul_rn',
            'round_even_i32', 'fma_f32', 'prmt', 'pack4_bytes', 'f32_bits', 'pinned_i32', 'fence_operand',
-           'st_cluster_f32']
+           'st_cluster_f32', 'special_i32', 'mad_hi']
 
 # %% ../../nbs/13h_ptx.ipynb #ad52300b
 import cutlass
@@ -13,8 +13,10 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass._mlir.dialects import llvm, math as mlir_math
 
 # %% ../../nbs/13h_ptx.ipynb #28e7cc12
-def _asm(ty, op, constraints, *xs, loc=None, ip=None):
-    return llvm.inline_asm(ty, [x.ir_value(loc=loc, ip=ip) for x in xs], op, constraints, has_side_effects=True,
+def _asm(ty, op, constraints, *xs, side_effects=True, loc=None, ip=None):
+    """The inline-assembly statement `op` on the DSL values `xs`, with a result of type `ty` (None: none); volatile
+    unless `side_effects` is False. Every inline-assembly wrapper of this page is one call of it."""
+    return llvm.inline_asm(ty, [x.ir_value(loc=loc, ip=ip) for x in xs], op, constraints, has_side_effects=side_effects,
                            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 @dsl_user_op
@@ -45,9 +47,9 @@ def nanosleep(ns: int, *, loc=None, ip=None):
 
 # %% ../../nbs/13h_ptx.ipynb #b723f765
 def _asm_f32(op, *xs, loc=None, ip=None):
-    return llvm.inline_asm(T.f32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in xs], op,
-                           "=f" + ",f" * len(xs), has_side_effects=False, is_align_stack=False,
-                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    "`op` on float32 `xs` to a float32 result, free to be moved or removed (not volatile)."
+    return _asm(T.f32(), op, "=f" + ",f" * len(xs), *(cutlass.Float32(x) for x in xs), side_effects=False,
+                loc=loc, ip=ip)
 
 @dsl_user_op
 def div_rn(a, b, *, loc=None, ip=None):
@@ -62,9 +64,8 @@ def mul_rn(a, b, *, loc=None, ip=None):
 @dsl_user_op
 def round_even_i32(a, *, loc=None, ip=None):
     "`a` rounded to the nearest integer, ties to even (`cvt.rni.s32.f32`), as `torch.round`."
-    return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Float32(a).ir_value(loc=loc, ip=ip)],
-                                         "cvt.rni.s32.f32 $0, $1;", "=r,f", has_side_effects=False,
-                                         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return cutlass.Int32(_asm(T.i32(), "cvt.rni.s32.f32 $0, $1;", "=r,f", cutlass.Float32(a), side_effects=False,
+                              loc=loc, ip=ip))
 
 @dsl_user_op
 def fma_f32(a, b, c, *, loc=None, ip=None):
@@ -77,18 +78,16 @@ def fma_f32(a, b, c, *, loc=None, ip=None):
 def prmt(a, b, sel, *, loc=None, ip=None):
     """`prmt.b32` (default mode) on uint32: four bytes picked from `{b, a}` by the nibbles of `sel` (one PRMT, an ALU
     instruction)."""
-    v = lambda x: cutlass.Uint32(x).ir_value(loc=loc, ip=ip)
-    return cutlass.Uint32(llvm.inline_asm(T.i32(), [v(a), v(b), v(sel)], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
-                                          has_side_effects=False, is_align_stack=False,
-                                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    words = (cutlass.Uint32(x) for x in (a, b, sel))
+    return cutlass.Uint32(_asm(T.i32(), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", *words, side_effects=False,
+                               loc=loc, ip=ip))
 
 @dsl_user_op
 def pack4_bytes(b0, b1, b2, b3, *, loc=None, ip=None):
     "One word of the low bytes of `b0`..`b3` (`b0` lowest): three `prmt`s."
-    return cutlass.Int32(llvm.inline_asm(
-        T.i32(), [cutlass.Int32(b).ir_value(loc=loc, ip=ip) for b in (b0, b1, b2, b3)],
-        "{ .reg .b32 lo, hi; prmt.b32 lo, $1, $2, 0x0040; prmt.b32 hi, $3, $4, 0x0040; prmt.b32 $0, lo, hi, 0x5410; }",
-        "=r,r,r,r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    op = "{ .reg .b32 lo, hi; prmt.b32 lo, $1, $2, 0x0040; prmt.b32 hi, $3, $4, 0x0040; prmt.b32 $0, lo, hi, 0x5410; }"
+    return cutlass.Int32(_asm(T.i32(), op, "=r,r,r,r,r", *(cutlass.Int32(b) for b in (b0, b1, b2, b3)),
+                              side_effects=False, loc=loc, ip=ip))
 
 @dsl_user_op
 def f32_bits(a, *, loc=None, ip=None):
@@ -99,27 +98,32 @@ def f32_bits(a, *, loc=None, ip=None):
 @dsl_user_op
 def pinned_i32(x, *, loc=None, ip=None):
     "`x` through a volatile `mov`: the compiler may neither fold it into a constant nor move it past a `wgmma.fence`."
-    return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;",
-                                         "=r,r", has_side_effects=True, is_align_stack=False,
-                                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return cutlass.Int32(_asm(T.i32(), "mov.b32 $0, $1;", "=r,r", cutlass.Int32(x), loc=loc, ip=ip))
 
 @dsl_user_op
 def fence_operand(x, *, loc=None, ip=None):
     """`x` through an empty volatile asm with a tied operand: computed before this point, never sunk past a later
     `wgmma.fence`."""
-    return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Int32(x).ir_value(loc=loc, ip=ip)], "", "=r,0",
-                                         has_side_effects=True, is_align_stack=False,
-                                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return cutlass.Int32(_asm(T.i32(), "", "=r,0", cutlass.Int32(x), loc=loc, ip=ip))
 
 # %% ../../nbs/13h_ptx.ipynb #248de624
 @dsl_user_op
 def st_cluster_f32(addr, rank, value, *, loc=None, ip=None):
     """Store float32 `value` at shared-memory address `addr` (this CTA's, as an Int32) of cluster CTA `rank`'s copy
     (`st.shared::cluster`)."""
-    llvm.inline_asm(T.i32(), [cutlass.Int32(addr).ir_value(loc=loc, ip=ip),
-                              cutlass.Int32(rank).ir_value(loc=loc, ip=ip),
-                              cutlass.Float32(value).ir_value(loc=loc, ip=ip)],
-                    "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; st.shared::cluster.f32 [ra], $3; "
-                    "mov.b32 $0, 0; }",
-                    "=r,r,r,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                    loc=loc, ip=ip)
+    _asm(T.i32(), "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; st.shared::cluster.f32 [ra], $3; "
+         "mov.b32 $0, 0; }", "=r,r,r,f", cutlass.Int32(addr), cutlass.Int32(rank), cutlass.Float32(value),
+         loc=loc, ip=ip)
+
+# %% ../../nbs/13h_ptx.ipynb #7e5b0c02
+@dsl_user_op
+def special_i32(reg: str, *, loc=None, ip=None):
+    "The 32-bit special register `%reg` (`clock`, `globaltimer_lo`), read where it stands (a volatile `mov`)."
+    return cutlass.Int32(_asm(T.i32(), f"mov.u32 $0, %{reg};", "=r", loc=loc, ip=ip))
+
+@dsl_user_op
+def mad_hi(a, b, c, *, loc=None, ip=None):
+    "The high word of `a·b`, plus `c`, on uint32 (`mad.hi.u32`)."
+    words = (cutlass.Uint32(x) for x in (a, b, c))
+    return cutlass.Uint32(_asm(T.i32(), "mad.hi.u32 $0, $1, $2, $3;", "=r,r,r,r", *words, side_effects=False,
+                               loc=loc, ip=ip))

@@ -4,12 +4,11 @@
 
 # %% auto #0
 __all__ = ['SF_VEC', 'SF_ATOM_ROWS', 'SF_ATOM_GROUPS', 'MMA_K', 'mma_scales_size', 'mma_scale_offset', 'to_mma_scales',
-           'from_mma_scales', 'NamedBarrier', 'Sm100Vectors', 'Sm100Tensors', 'sm100_arguments', 'lora_up_prescaled',
-           'sm100_tensors', 'lora_step_at', 'emulate_sm100', 'Sm100Mmas', 'Sm100Layouts', 'Sm100Loads', 'Sm100GemmBase',
-           'Sm100Pipes', 'Sm100Smem', 'tile_copies', 'Sm100Operands', 'Sm100Epi']
+           'from_mma_scales', 'Sm100Vectors', 'Sm100Tensors', 'sm100_arguments', 'lora_up_prescaled', 'sm100_tensors',
+           'lora_step_at', 'emulate_sm100', 'Sm100Mmas', 'Sm100Layouts', 'Sm100Loads', 'Sm100GemmBase', 'Sm100Pipes',
+           'Sm100Smem', 'tile_copies', 'Sm100Operands', 'Sm100Epi']
 
 # %% ../../nbs/18_sm100_parts.ipynb #7d06b6e3
-import enum
 from typing import NamedTuple
 
 import torch
@@ -27,6 +26,7 @@ import w4a4_book.operands as operands
 import w4a4_book.configs as configs
 # absolute imports: CuTe DSL re-executes this module's imports when it traces a kernel
 import w4a4_book.kernels.sm90_parts as parts
+from .barriers import sm100_epilogue_barrier
 
 SF_VEC = 16                  # K values per E4M3 scale: NVFP4's block
 
@@ -65,11 +65,6 @@ def from_mma_scales(buf: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
     return s[:rows, :groups].T.contiguous().view(torch.float8_e4m3fn)
 
 # %% ../../nbs/18_sm100_parts.ipynb #b4f69c4b
-class NamedBarrier(enum.IntEnum):
-    "Hardware barrier ids of the sm_100 kernels (0 is the CTA-wide `bar.sync 0`)."
-    TMEM_ALLOC = 1      # the warps that read the TMEM base address wait for the allocating warp
-    EPILOGUE = 2        # the epilogue warps, around each output sub-tile's shared-memory staging
-
 @parts.kernel_bundle
 class Sm100Vectors(NamedTuple):
     """What the epilogue reads from global memory beside the accumulator, one launch argument: `wcscales`, `bias`
@@ -543,12 +538,12 @@ def store_tile(self: Sm100GemmBase, loads: Sm100Loads, ec: Sm100Epi, store, mt, 
         cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
         # the staged sub-tile is read by the TMA unit (the async proxy) next
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.epi_threads)
+        sm100_epilogue_barrier(self.epi_threads).sync()
         if is_store_warp:
             cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, j)])
             store.producer_commit()
             store.producer_acquire()                                     # the next buffer's store has drained
-        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.epi_threads)
+        sm100_epilogue_barrier(self.epi_threads).sync()
 
 @patch
 @cute.jit

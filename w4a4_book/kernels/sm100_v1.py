@@ -17,8 +17,9 @@ from cutlass.pipeline import pipeline_init_wait
 import cuda.bindings.driver as cuda
 from fastcore.basics import patch
 # absolute imports: CuTe DSL re-executes this module's imports when it traces a kernel
-from .sm100_parts import (NamedBarrier, Sm100GemmBase, Sm100Layouts, Sm100Loads, Sm100Mmas,
-                                           Sm100Operands, Sm100Vectors, tile_copies)
+from .barriers import sm100_epilogue_barrier, tmem_alloc_barrier
+from .sm100_parts import (Sm100GemmBase, Sm100Layouts, Sm100Loads, Sm100Mmas, Sm100Operands,
+                                           Sm100Vectors, tile_copies)
 
 # %% ../../nbs/18a_sm100_v1.ipynb #5dfc95b2
 class W4A4GemmSm100V1(Sm100GemmBase):
@@ -69,8 +70,7 @@ def kernel(self: W4A4GemmSm100V1, loads: Sm100Loads, vecs: Sm100Vectors, mmas: S
     st = utils.SmemAllocator().allocate(self.storage)
     pipes = self.pipelines(st, layouts)
     tmem = utils.TmemAllocator(st.tmem_holding.data_ptr(), allocator_warp_id=0, is_two_cta=self.cta_group == 2,
-                               barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=int(NamedBarrier.TMEM_ALLOC),
-                                                                          num_threads=self.threads),
+                               barrier_for_retrieve=tmem_alloc_barrier(self.threads).for_pipeline(),
                                two_cta_tmem_dealloc_mbar_ptr=st.tmem_dealloc.data_ptr())
     pipeline_init_wait(cluster_shape_mn=(self.cta_group, 1))
     tmem.allocate(self.tmem_cols["alloc"])
@@ -86,7 +86,7 @@ def kernel(self: W4A4GemmSm100V1, loads: Sm100Loads, vecs: Sm100Vectors, mmas: S
         tail.advance()
         acc_pipe.producer_tail(tail)
     tmem.relinquish_alloc_permit()
-    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.threads)
+    sm100_epilogue_barrier(self.threads).sync()
     tmem.free(acc_ptr)
 
 # %% ../../nbs/18a_sm100_v1.ipynb #8cf5bc6e

@@ -19,8 +19,9 @@ import cuda.bindings.driver as cuda
 from fastcore.basics import patch
 # absolute imports: CuTe DSL re-executes this module's imports when it traces a kernel
 from .scheduler import PersistentRaster
-from .sm100_parts import (NamedBarrier, Sm100GemmBase, Sm100Layouts, Sm100Loads, Sm100Mmas,
-                                           Sm100Operands, Sm100Vectors, tile_copies)
+from .barriers import sm100_epilogue_barrier, tmem_alloc_barrier
+from .sm100_parts import (Sm100GemmBase, Sm100Layouts, Sm100Loads, Sm100Mmas, Sm100Operands,
+                                           Sm100Vectors, tile_copies)
 
 # %% ../../nbs/18b_sm100_v2.ipynb #ad4745d7
 @dataclass(frozen=True)
@@ -109,8 +110,7 @@ def kernel(self: W4A4GemmSm100V2, loads: Sm100Loads, vecs: Sm100Vectors, mmas: S
     # NOTES: before the pipelines' init arrive, so that the pair's dealloc barrier is initialised cluster-wide too
     tmem = utils.TmemAllocator(st.tmem_holding.data_ptr(), allocator_warp_id=roles.epilogue_warps[0],
                                is_two_cta=cg == 2,
-                               barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=int(NamedBarrier.TMEM_ALLOC),
-                                                                          num_threads=roles.tmem_threads),
+                               barrier_for_retrieve=tmem_alloc_barrier(roles.tmem_threads).for_pipeline(),
                                two_cta_tmem_dealloc_mbar_ptr=st.tmem_dealloc.data_ptr())
     pipes = self.pipelines(st, layouts)
     pipeline_init_wait(cluster_shape_mn=(cg, 1))
@@ -225,5 +225,5 @@ def epilogue(self: W4A4GemmSm100V2, st, loads: Sm100Loads, mmas: Sm100Mmas, L: S
         cons.advance()
     store.producer_tail()
     tmem.relinquish_alloc_permit()
-    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.epi_threads)
+    sm100_epilogue_barrier(self.epi_threads).sync()
     tmem.free(acc_ptr)

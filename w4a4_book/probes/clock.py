@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import torch
 
-from .. import smem, cache, heuristics, jit, registry, gemm
+# absolute: CuTe DSL re-runs the imports of a module whose kernel method it traces, and fails on `from . import x`
+import w4a4_book.smem as smem
+import w4a4_book.cache as cache
+import w4a4_book.heuristics as heuristics
+import w4a4_book.jit as jit
+import w4a4_book.registry as registry
+import w4a4_book.gemm as gemm
 from ..records import provenance, save_record
 from ..bench.timing import time_cuda
 from ..bench.workloads import make_workload
-from . import probe_command
+import w4a4_book.probes as probes
 
 # %% auto #0
-__all__ = ['TILE_CLOCK_SHAPES', 'WORDS', 'TILE_CLOCK_OPTIONS', 'clock_kernel_class', 'tile_rows', 'tile_clock']
+__all__ = ['TILE_CLOCK_SHAPES', 'WORDS', 'TILE_CLOCK_OPTIONS', 'clock_kernel_class', 'tile_rows', 'clocked_build', 'tile_clock']
 
 # %% ../../nbs/20h_probe_clock.ipynb #d4055556
 TILE_CLOCK_SHAPES = ((4352, 3072, 3840), (4352, 3072, 10240), (4352, 3840, 15360), (4352, 15360, 3840))  # M, N, K
@@ -24,17 +30,9 @@ WORDS = 8
 
 def clock_kernel_class():
     "The library's int4_pg kernel class with the clock reads (built on first use: it imports CuTe DSL)."
-    import cutlass
     import cutlass.cute as cute
-    from cutlass.cutlass_dsl import T, dsl_user_op
-    from cutlass._mlir.dialects import llvm
     from w4a4_book.kernels import pg_decode, pg_variants, sm90_pg
-
-    @dsl_user_op
-    def special(reg, *, loc=None, ip=None):
-        "A 32-bit special register (`%clock`, `%globaltimer_lo`), read where it stands (volatile)."
-        return cutlass.Int32(llvm.inline_asm(T.i32(), [], f"mov.u32 $0, %{reg};", "=r", has_side_effects=True,
-                                             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    from w4a4_book.kernels.ptx import special_i32
 
     class ClockGemm(sm90_pg.W4A4GemmPg):
         "`W4A4GemmPg` with a tile's clock reads in the stream-K workspace (`pg_sk_arguments`)."
@@ -42,25 +40,25 @@ def clock_kernel_class():
         tensors = staticmethod(pg_variants.pg_sk_tensors)
 
         def unit_kloop(self, kl, states, kt, after_first=None):
-            self._marks = [special("clock"), special("globaltimer_lo")]
+            self._marks = [special_i32("clock"), special_i32("globaltimer_lo")]
             out = super().unit_kloop(kl, states, kt, after_first)
-            self._marks.append(special("clock"))
+            self._marks.append(special_i32("clock"))
             return out
 
         def epi_reads(self, cta, pre, t, wgi, m, n):
             out = super().epi_reads(cta, pre, t, wgi, m, n)
-            self._marks.append(special("clock"))
+            self._marks.append(special_i32("clock"))
             return out
 
         def finish(self, reads, views, accf, tCcC, out, e):
             if e == 0:                                  # the tile's first sub-tile: the affine and the stores begin
-                self._marks.append(special("clock"))
+                self._marks.append(special_i32("clock"))
             super().finish(reads, views, accf, tCcC, out, e)
 
         @cute.jit
         def unit_end(self, cta, thr, lcons, pre, m, n, role, held=None):
             lcons = super().unit_end(cta, thr, lcons, pre, m, n, role, held)
-            c2, g2 = special("clock"), special("globaltimer_lo")
+            c2, g2 = special_i32("clock"), special_i32("globaltimer_lo")
             t, wgi, vecs = thr.t, thr.wgi, cta.vecs
             c0, g0, c1, ca, cb = self._marks
             w = ((m * (self.problem.N // pg_decode.TILE_N) + n) * 2 + wgi) * WORDS
@@ -97,6 +95,14 @@ def tile_rows(words, K: int, bk: int) -> dict:
                 gap_cycles=q(gaps) if len(gaps) else None, first_start_ns=q(first), last_end_ns=q(last),
                 launch_ns=float(max(last)), clock_mhz=mhz, tiles=int(len(words) // 2))
 
+# %% ../../nbs/20h_probe_clock.ipynb #5c10c4b1
+def clocked_build(Clock, config, p, num_sms: int) -> tuple:
+    """`(kernel, specs, dynamic_m)` of the clocked kernel class `Clock` for `config` and problem `p` on `num_sms` SMs,
+    as `jit.launchable` and `jit.compile_on_fakes` take them."""
+    from w4a4_book.kernels import pg_variants
+    return Clock(smem.solve(config, p), p, num_sms), pg_variants.pg_sk_arguments(p), True
+
+
 # %% ../../nbs/20h_probe_clock.ipynb #2dd5a2c4
 def _clocked_launch(Clock, w, lib_out) -> tuple:
     """`(config, launch, tensors)`: the library's config for workload `w` and the clocked kernel's launch with it,
@@ -105,8 +111,7 @@ def _clocked_launch(Clock, w, lib_out) -> tuple:
     _, tensors, _, p, _ = gemm._launch(*w.operands, w.out_dtype, None, None)
     config = heuristics.tile_choice(registry.default_config("int4_pg"), p)
     dev = tensors[0].device
-    kern = Clock(smem.solve(config, p), p, cache.sm_count(dev.index))
-    make = lambda: (kern, pg_variants.pg_sk_arguments(p), True)
+    make = lambda: clocked_build(Clock, config, p, cache.sm_count(dev.index))
     fn = jit.launchable(("tile_clock", config, p.signature(False)), dev, make)
     ts = pg_variants.pg_sk_tensors(p, *w.operands, torch.empty_like(lib_out))
     return config, (lambda: fn(*ts)), ts
@@ -146,7 +151,7 @@ def tile_clock(args) -> int:
         rows.append(dict(M=M, N=N, K=K, R=R, config=repr(config), equals_library=equal, library_ms=times["library"],
                          clocked_ms=times["clocked"], **tile_rows(words, K, config.tile_k)))
         _print_tile_clock(rows[-1])
-    prov = provenance(probe_command("tile-clock", args, TILE_CLOCK_OPTIONS), [list(s) for s in TILE_CLOCK_SHAPES],
-                      kind="gemm_tile_clock", rank=R, fmt="int4_pg")
+    prov = provenance(probes.probe_command("tile-clock", args, TILE_CLOCK_OPTIONS),
+                      [list(s) for s in TILE_CLOCK_SHAPES], kind="gemm_tile_clock", rank=R, fmt="int4_pg")
     print(f"saved {save_record(args.out, prov, rows)}")
     return 0

@@ -33,17 +33,9 @@ def patch_decode(variant: str) -> None:
     if variant == "table":
         return
     import cutlass, cutlass.cute as cute
-    from cutlass.cutlass_dsl import T, dsl_user_op
-    from cutlass._mlir.dialects import llvm
     import w4a4_book.kernels.pg_decode as pg_decode
     import w4a4_book.kernels.sm90_pg as pg
-
-    @dsl_user_op
-    def mad_hi(a, b, c, *, loc=None, ip=None):
-        v = lambda x: cutlass.Uint32(x).ir_value(loc=loc, ip=ip)
-        return cutlass.Uint32(llvm.inline_asm(T.i32(), [v(a), v(b), v(c)], "mad.hi.u32 $0, $1, $2, $3;", "=r,r,r,r",
-                                              has_side_effects=False, is_align_stack=False,
-                                              asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    from w4a4_book.kernels.ptx import mad_hi
 
     def word(w, half, u, u28, B):
         mask = cutlass.Uint32(LOW if half == "lo" else HIGH)
