@@ -170,7 +170,7 @@ def test_pinned_stage_counts(key):
     (dict(max_stages=0), "max_stages", ValueError),
     (dict(arch="sm_89"), "arch", ValueError), (dict(arch="sm_100"), "arch", ValueError),
     (dict(fmt="int8"), "fmt", ValueError), (dict(fmt="nvfp4"), "fmt", ValueError),
-    (dict(epilogue="smem"), "epilogue", ValueError), (dict(lora_accounting="cluster"), "lora_accounting", ValueError),
+    (dict(lora_accounting="cluster"), "lora_accounting", ValueError),
     (dict(tile_n=128.0), "tile_n", TypeError),
 ])
 def test_check_config_names_the_field_hopper(bad, field, exc):
@@ -310,7 +310,7 @@ ranks = st.integers(0, 16).map(lambda x: 16 * x)
 hopper_cases = st.tuples(st.builds(
     HopperV1Config, tile_m=st.sampled_from([64, 128, 192, 256]), tile_n=st.integers(1, 32).map(lambda x: 8 * x),
     tile_k=st.sampled_from([64, 128, 192, 256]), cluster_n=st.sampled_from([1, 2]), lora_stages=st.integers(1, 3),
-    decode_stages=st.integers(1, 3), epilogue=st.sampled_from(["tile", "none"]),
+    decode_stages=st.integers(1, 3),
     lora_accounting=st.sampled_from(HopperV1Config.rules.accountings), max_stages=st.none() | st.integers(1, 12)),
     st.builds(ProblemSpec, R=ranks, out_dtype=st.sampled_from(["bfloat16", "float16", "float32"])))
 blackwell_cases = st.tuples(st.sampled_from([1, 2]).flatmap(lambda c: st.builds(

@@ -37,7 +37,6 @@ class HopperV1Config(KernelConfig):
     cluster_n: int = 1              # 2: a pair along N sharing the activation tile by TMA multicast
     lora_stages: int = 1
     decode_stages: int = 1
-    epilogue: str = "tile"          # "tile": the output tile staged for one TMA store; "none": stored from registers
     lora_accounting: str = "per_cta"
     stages: int | None = None       # main stages; None: as many as fit
     max_stages: int | None = None
@@ -91,10 +90,9 @@ def hopper_v1_terms(cfg: HopperV1Config, p: ProblemSpec, stages: dict, accountin
                "8-bit copy wgmma reads: sm_90 has no 4-bit MMA"),
           Term("b_decoded", D * BN * BK, SWIZZLE_128B_ALIGN, "int8", "decode", "wgmma reads B only from shared memory")]
     if R: t += hopper_lora_terms(cfg, p, L, R, accounting)
-    staged = cfg.epilogue == "tile"
     t += [Term("affine", 0, 1, p.out_dtype, None, "wcscales and bias are read from global memory in the epilogue"),
-          Term("epilogue", BM * BN * ob if staged else 0, SWIZZLE_128B_ALIGN, p.out_dtype, None,
-               "the output tile staged for one TMA store" if staged else "stored straight from registers")]
+          Term("epilogue", BM * BN * ob, SWIZZLE_128B_ALIGN, p.out_dtype, None,
+               "the output tile staged for one TMA store")]
     return t
 
 # %% ../nbs/12a_configs.ipynb #e1ba1ad2
@@ -104,7 +102,6 @@ def _check_hopper_v1(cfg):
     check_int(cfg, "tile_k", GROUP_SIZE[cfg.fmt], multiple=GROUP_SIZE[cfg.fmt], why="a K tile holds whole scale groups")
     check_int(cfg, "cluster_n", 1, 2)
     check_int(cfg, "decode_stages")
-    check_choice(cfg, "epilogue", ("tile", "none"))
 
 HopperV1Config.rules = Family(hopper_v1_terms, _check_hopper_v1, given_stages, archs=("sm_90",), fmt="int4")
 
