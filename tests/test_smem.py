@@ -8,10 +8,9 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from w4a4_book.smem import (ARCHS, DTYPE_BITS, LORA_ACCOUNTING, family_of, BlackwellOrigConfig, ProblemSpec, Term,
-                            blackwell_orig_terms, budget_segments, check_config, plot_budgets, problem_of, solve,
-                            struct_layout)
-from w4a4_book.configs import CONFIGS, HopperV1Config, explain
+from w4a4_book.smem import (ARCHS, DTYPE_BITS, LORA_ACCOUNTING, family_of, ProblemSpec, Term, budget_segments,
+                            check_config, plot_budgets, problem_of, solve, struct_layout)
+from w4a4_book.configs import CONFIGS, BlackwellOrigConfig, HopperV1Config, blackwell_orig_terms, explain
 
 
 def _budgets():

@@ -26,7 +26,7 @@ from .bench import report, timing, workloads
 # %% ../nbs/07_lora_bug.ipynb #0cec74c0
 BUG, FIX = "pair", "per_cta"    # on a Hopper pair, the historical charge and the fix (smem.LORA_ACCOUNTING)
 # the original's 2-CTA tile at every rank (its `_TILER_2CTA`, 256 x 128)
-ORIGINAL = smem.BlackwellOrigConfig(tile_n=128)
+ORIGINAL = configs.BlackwellOrigConfig(tile_n=128)
 ORIGINAL_SHAPE = (4352, 3072, 3840, 128)           # its production shape (M, N, K, R), fp16
 ORIGINAL_RANK = ORIGINAL_SHAPE[3]
 ORIGINAL_STEPS = (   # the original's LoRA charge, in order: (step, commit, smem accounting, LoRA stages)
@@ -55,7 +55,7 @@ def _main_stages(config, problem):
 def _lora_charges(cfg, R: int) -> dict:
     "Bytes `cfg`'s accounting charges each CTA per LoRA stage at rank `R`: `{'LA': ..., 'LU': ...}`."
     p = smem.problem_of(cfg, smem.ProblemSpec(R=R))
-    terms = smem.blackwell_orig_terms(cfg, p, dict(main=1, lora=1, epi=1), cfg.lora_accounting)
+    terms = configs.blackwell_orig_terms(cfg, p, dict(main=1, lora=1, epi=1), cfg.lora_accounting)
     return {name: next(t.bytes for t in terms if t.name == term)
             for name, term in (("LA", "lora_act"), ("LU", "lora_up"))}
 
@@ -94,7 +94,7 @@ def model_budget(R: int = ORIGINAL_RANK) -> dict:
     _check_ranks([R], "R")
     cfg = ORIGINAL
     p = smem.problem_of(cfg, smem.ProblemSpec(R=R))
-    one = {t.name: t.bytes for t in smem.blackwell_orig_terms(cfg, p, dict(main=1, lora=1, epi=1), FIX)}
+    one = {t.name: t.bytes for t in configs.blackwell_orig_terms(cfg, p, dict(main=1, lora=1, epi=1), FIX)}
     terms = dict(capacity=smem.ARCHS[cfg.arch].smem_per_block, LA=one["lora_act"], LU=one["lora_up"],
                  main_stage=sum(one[n] for n in ("a_packed", "b_packed", "a_scales", "b_scales")),
                  epi_stage=one["epilogue"])

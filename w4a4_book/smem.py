@@ -4,14 +4,13 @@
 
 # %% auto #0
 __all__ = ['ARCHS', 'SYSTEM_RESERVED_PER_BLOCK', 'MBARRIER_BYTES', 'TMA_SMEM_ALIGN', 'SWIZZLE_128B_ALIGN', 'DTYPE_BITS',
-           'STAGE_KINDS', 'PROBLEM_DTYPES', 'LORA_ACCOUNTING', 'LA_AT_PAIR', 'LU_AT_PAIR', 'GROUP_SIZE',
-           'SM100_EPI_TILE', 'BUDGET_KINDS', 'ArchFacts', 'Term', 'round_up', 'struct_layout', 'ProblemSpec',
-           'BlackwellOrigConfig', 'blackwell_orig_terms', 'check_int', 'check_choice', 'Family', 'given_stages',
-           'family_of', 'check_config', 'problem_of', 'Budget', 'solve', 'budget_segments', 'plot_budgets']
+           'STAGE_KINDS', 'PROBLEM_DTYPES', 'LORA_ACCOUNTING', 'LA_AT_PAIR', 'LU_AT_PAIR', 'GROUP_SIZE', 'BUDGET_KINDS',
+           'ArchFacts', 'Term', 'round_up', 'struct_layout', 'ProblemSpec', 'check_int', 'check_choice', 'Family',
+           'given_stages', 'family_of', 'check_config', 'problem_of', 'Budget', 'solve', 'budget_segments',
+           'plot_budgets']
 
 # %% ../nbs/06_budget.ipynb #04a3d3f1
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 @dataclass(frozen=True)
 class ArchFacts:
@@ -130,80 +129,6 @@ class ProblemSpec:
         return cls(problem.R, problem.K, *(str(getattr(problem, d)).removeprefix("torch.") for d in PROBLEM_DTYPES))
 
 
-# %% ../nbs/06_budget.ipynb #1fc9484f
-def _made(cfg) -> None:
-    """What a config runs when it is made: `check_config`, defined below once every config has its rules, so a bad
-    field is refused by name where it is written, not when the budget is solved."""
-    check = globals().get("check_config")
-    if check is not None and isinstance(getattr(cfg, "rules", None), Family): check(cfg)
-
-@dataclass(frozen=True)
-class BlackwellOrigConfig:
-    "Model of the original sm_100 kernel (svdquant-kernels `kernel_v2_fa4.py`): NVFP4 tcgen05 MMA, TMEM accumulator."
-    tile_m: int = 256               # MMA M; spans the pair when cta_group=2
-    tile_n: int = 256               # MMA N
-    tile_k: int = 256               # 4 x the 64-deep NVFP4 MMA
-    cta_group: int = 2
-    lora_stages: int = 1            # 1 before c1d209c, 2 after
-    epi_stages: int = 2             # the starting count; the solver then grows it into the leftover
-    lora_accounting: str = "per_cta"
-    stages: int | None = None
-    max_stages: int | None = None
-    arch: str = "sm_100"
-    fmt: str = "nvfp4"
-    family: ClassVar[str] = "blackwell_orig"
-    # the problem's element types it builds, each a tuple whose first is the default; the LoRA blocks are in the
-    # output's dtype
-    dtypes: ClassVar[dict] = dict(out_dtype=("float16", "bfloat16"), lora_dtype=("float16", "bfloat16"),
-                                  scale_dtype=("float8_e4m3fn",))
-
-    def __post_init__(self): _made(self)
-
-    @property
-    def label(self) -> str:
-        return (f"{self.family} {self.arch} {self.fmt} tile {self.tile_m}x{self.tile_n}x{self.tile_k} "
-                f"cta_group={self.cta_group} lora_stages={self.lora_stages} lora_accounting={self.lora_accounting}")
-
-# %% ../nbs/06_budget.ipynb #2682fd44
-# compute_epilogue_tile_shape: 128-row CTA tile, 16-bit output, no C source (cutlass-dsl 4.3.5)
-SM100_EPI_TILE = (128, 32)
-
-# %% ../nbs/06_budget.ipynb #1a60ac09
-def blackwell_orig_terms(cfg: BlackwellOrigConfig, p: ProblemSpec, stages: dict, accounting: str) -> list:
-    """Model of the original's SharedStorage (`kernel_v2_fa4.py`, `c1d209c` to `7296e90`), per CTA, in declaration
-    order, at problem `p`."""
-    S, L, E = stages["main"], stages["lora"], stages["epi"]
-    c, BK, R = cfg.cta_group, cfg.tile_k, p.R
-    ob, lb = DTYPE_BITS[p.out_dtype] // 8, DTYPE_BITS[p.lora_dtype] // 8
-    BM, BN = cfg.tile_m // c, cfg.tile_n // c    # a 2-CTA MMA splits A's rows and B's columns over the pair
-    sf_k = BK // GROUP_SIZE[cfg.fmt]
-    t = [Term.barriers("main_full", S, "main", "pipeline_aw: A, B and both scale TMAs land on one barrier"),
-         Term.barriers("main_empty", S, "main", "pipeline_aw: the MMA warp frees the stage"),
-         Term.barriers("acc_full", 1, None, "pipeline_acc: accumulator ready in TMEM (one stage)"),
-         Term.barriers("acc_empty", 1, None, "pipeline_acc: the epilogue has drained TMEM")]
-    if R:
-        t += [Term.barriers("lora_full", L, "lora", "pipeline_lora: LA and LU have landed"),
-              Term.barriers("lora_empty", L, "lora", "pipeline_lora: the LoRA MMAs are done with them")]
-    t += [Term.barriers("tmem_dealloc", 1, None, "orders the TMEM free at exit"),
-          Term("tmem_holding", 4, 4, "int32", None, "TMEM base address written by tcgen05.alloc"),
-          Term("epilogue", E * SM100_EPI_TILE[0] * SM100_EPI_TILE[1] * ob, SWIZZLE_128B_ALIGN, p.out_dtype, "epi",
-               "128 x 32 subtiles, TMEM -> smem -> TMA store"),
-          Term("a_packed", S * BM * BK // 2, SWIZZLE_128B_ALIGN, "float4_e2m1fn", "main", "this CTA's 128 rows of A"),
-          Term("b_packed", S * BN * BK // 2, SWIZZLE_128B_ALIGN, "float4_e2m1fn", "main",
-               "this CTA's share of B's columns"),
-          Term("a_scales", S * BM * sf_k, SWIZZLE_128B_ALIGN, "float8_e4m3fn", "main",
-               "an E4M3 per 16 K of this CTA's rows"),
-          Term("b_scales", S * round_up(cfg.tile_n, 128) * sf_k, SWIZZLE_128B_ALIGN, "float8_e4m3fn", "main",
-               "SFB for every column of the tile, in each CTA")]
-    if R:
-        la_pair, lu_pair = c > 1 and accounting in LA_AT_PAIR, c > 1 and accounting in LU_AT_PAIR
-        t += [Term("lora_act", L * (cfg.tile_m if la_pair else BM) * R * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
-                   "charged for the pair's tile_m rows" if la_pair else "LA: this CTA's rows x R"),
-              Term("lora_up", L * (cfg.tile_n if lu_pair else BN) * R * lb, SWIZZLE_128B_ALIGN, p.lora_dtype, "lora",
-                   "charged for the pair's tile_n columns" if lu_pair else "LU: this CTA's columns x R")]
-    t.append(Term("affine", 0, 1, p.out_dtype, None, "wcscales and bias are read from global memory by the epilogue"))
-    return t
-
 # %% ../nbs/06_budget.ipynb #732ab649
 def check_int(cfg, name, lo=1, hi=None, multiple=1, why=""):
     "Raise naming field `name` of `cfg` unless it is an int in [`lo`, `hi`], a multiple of `multiple` (`why`: why)."
@@ -219,22 +144,6 @@ def check_choice(cfg, name, allowed, why=""):
     v = getattr(cfg, name)
     if v not in allowed:
         raise ValueError(f"{name}={v!r}: must be one of {tuple(allowed)}" + (f" ({why})" if why else ""))
-
-# %% ../nbs/06_budget.ipynb #b9a6cd8c
-def _check_blackwell_orig(cfg):
-    check_int(cfg, "cta_group", 1, 2)
-    check_int(cfg, "tile_m", 128, 256, 128)
-    if cfg.tile_m != 128 * cfg.cta_group:
-        raise ValueError(f"tile_m={cfg.tile_m}: must be 128 * cta_group = {128 * cfg.cta_group} "
-                         "(each CTA owns 128 MMA rows)")
-    check_int(cfg, "tile_n", 128, 256, 128, "the original's MMA N")
-    check_int(cfg, "tile_k", 64, multiple=64, why="the NVFP4 MMA is 64 deep")
-    check_int(cfg, "epi_stages")
-
-def _check_orig_problem(cfg, p):
-    if p.lora_dtype != p.out_dtype:
-        raise ValueError(f"lora_dtype={p.lora_dtype!r}: the original's LoRA blocks are in the output's dtype, "
-                         f"{p.out_dtype!r}")
 
 # %% ../nbs/06_budget.ipynb #2e651ca7
 @dataclass(frozen=True)
@@ -255,10 +164,6 @@ def given_stages(cfg, p: ProblemSpec) -> dict:
     LoRA stages (0 at rank 0)."""
     return dict(decode=getattr(cfg, "decode_stages", 0), lora=cfg.lora_stages if p.R else 0,
                 epi=getattr(cfg, "epi_stages", 0))
-
-BlackwellOrigConfig.rules = Family(blackwell_orig_terms, _check_blackwell_orig, given_stages, archs=("sm_100",),
-                                   fmt="nvfp4", fill="epi", accountings=LORA_ACCOUNTING,
-                                   check_problem=_check_orig_problem)
 
 def family_of(cfg) -> Family:
     "The budget rules of config `cfg`, an instance or a class: its class's `rules`."
