@@ -68,6 +68,36 @@ def test_provenance_makes_a_valid_record(tmp_path):
     assert "diffusers" in got and "torchao" in got and rows[0]["median_ms"] == 1.0
 
 
+def _records(tmp_path, monkeypatch, runs):
+    "`recorded_flux_rows()` of records made of `runs`, `(name, gpu, date, {method: ms})` each, at 1024."
+    prov = bench_flux.flux_provenance(bench_flux.FluxRun(resolutions=(1024,)))
+    for name, gpu, date, times in runs:
+        save_record(tmp_path / f"flux_{name}.json", {**prov, "gpu": gpu, "date": date},
+                    [dict(method=m, resolution=1024, median_ms=t) for m, t in times.items()])
+    monkeypatch.setattr("w4a4_book.records.data_dir", lambda: tmp_path)
+    return bench_flux.recorded_flux_rows()
+
+
+def test_recorded_rows_are_newest_per_card(tmp_path, monkeypatch):
+    rows, runs = _records(tmp_path, monkeypatch, [("a", "NVIDIA H200", "2026-01-01", {"w4a4_graph": 3.0}),
+                                                  ("b", "NVIDIA H100 80GB HBM3", "2026-02-01", {"w4a4_graph": 4.0}),
+                                                  ("c", "NVIDIA H200", "2026-03-01", {"w4a4_graph": 2.0})])
+    assert [(r["gpu"], r["median_ms"], r["record"]) for r in rows] == [("H100", 4.0, "flux_b.json"),
+                                                                       ("H200", 2.0, "flux_c.json")]
+    assert [name for name, _ in runs] == ["flux_c.json", "flux_b.json", "flux_a.json"]
+
+
+def test_targets_never_divide_rows_of_two_cards(tmp_path, monkeypatch):
+    "bf16 only on the H200, W4A4 only on the H100: no ratio between them, '—' on each card."
+    rows, _ = _records(tmp_path, monkeypatch, [("a", "NVIDIA H200", "2026-01-01", {"bf16_compiled": 9.0}),
+                                               ("b", "NVIDIA H100 80GB HBM3", "2026-02-01", {"w4a4_graph": 1.0})])
+    targets = bench_flux.flux_targets(rows)
+    assert {t["GPU"] for t in targets} == {"H100", "H200"} and len(targets) == 2 * len(bench_flux.FLUX_TARGETS)
+    assert all(t["measured"] == "—" and t["met"] == "—" for t in targets)
+    with pytest.raises(ValueError, match="gpu must name one card"):
+        bench_flux.plot_flux([{**r, "profiled_ms": 1.0, "top_kernels": [["gemm", 1.0, 1]]} for r in rows])
+
+
 def test_command_without_a_gpu_prints_one_line_then_the_records():
     p = argparse.ArgumentParser()
     bench_flux.add_arguments(p)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import re
 import sys
 import time
@@ -295,13 +296,15 @@ def _ratio(kind: str, a: dict | None, b: dict | None) -> float | None:
     return b[key] / a[key] if kind == "speed-up" else a[key] / b[key]
 
 def flux_targets(rows: list) -> list:
-    "One line per `FLUX_TARGETS` entry: its ratio in `rows`, its bound, whether it is met; '—' where unmeasured."
-    got = {(r["method"], r["resolution"]): r for r in rows if "error" not in r}
+    """One line per card of `rows` (their `gpu`) and `FLUX_TARGETS` entry: its ratio between rows of that card, its
+    bound, whether it is met; '—' where the card lacks a row."""
+    got = {(r.get("gpu"), r["method"], r["resolution"]): r for r in rows if "error" not in r}
     out = []
-    for kind, m, over, res, bound in FLUX_TARGETS:
-        ratio = _ratio(kind, got.get((m, res)), got.get((over, res)))
+    cards = dict.fromkeys(r.get("gpu") for r in rows)
+    for gpu, (kind, m, over, res, bound) in itertools.product(cards, FLUX_TARGETS):
+        ratio = _ratio(kind, got.get((gpu, m, res)), got.get((gpu, over, res)))
         met = None if ratio is None else ratio >= bound if kind == "speed-up" else ratio <= bound
-        out.append({"target": f"{m} {kind} over {over} at {res}",
+        out.append({"GPU": gpu or "—", "target": f"{m} {kind} over {over} at {res}",
                     "bound": f"{'≥' if kind == 'speed-up' else '≤'} {bound}",
                     "measured": "—" if ratio is None else f"{ratio:.2f}",
                     "met": {None: "—", True: "yes", False: "no"}[met]})
@@ -327,15 +330,17 @@ def _card(gpu_name: str) -> str:
     return gpu_key(gpu_name) if any(k in gpu_name for k in GPU_PEAKS) else gpu_name
 
 def recorded_flux_rows() -> tuple:
-    """`(rows, runs)`: of every FLUX record (`kind` flux), the newest row of each resolution and method, each with the
-    `record` it came from and its `gpu`; and `(record name, provenance)` of the records drawn from, newest first."""
+    """`(rows, runs)`: of every FLUX record (`kind` flux), the newest row of each card, resolution and method, each with
+    the `record` it came from and its `gpu` (the card); and `(record name, provenance)` of the records drawn from,
+    newest first."""
     runs = [(p.name, *load_record(p)) for p in list_records("flux")]
     runs = sorted((r for r in runs if r[1].get("kind") == "flux"), key=lambda r: r[1]["date"], reverse=True)
     newest = {}
     for name, prov, rows in runs:
+        gpu = _card(prov["gpu"])
         for r in rows:
-            newest.setdefault((r["resolution"], r["method"]), {**r, "record": name, "gpu": _card(prov["gpu"])})
-    order = lambda r: (-r["resolution"], FLUX_METHODS.index(r["method"]))
+            newest.setdefault((gpu, r["resolution"], r["method"]), {**r, "record": name, "gpu": gpu})
+    order = lambda r: (r["gpu"], -r["resolution"], FLUX_METHODS.index(r["method"]))
     return sorted(newest.values(), key=order), [(name, prov) for name, prov, _ in runs]
 
 def _print_recorded(why_not: str) -> int:
@@ -387,16 +392,23 @@ def time_by_class(row: dict) -> dict:
     ms["other"] += row["profiled_ms"] - sum(t for _, t, _ in row["top_kernels"])
     return ms
 
-def flux_breakdown(rows: list, res: int = 1024) -> list:
-    "One dict a measured method at `res`: its profiled milliseconds by class."
-    return [{"method": r["method"], **{k: f"{v:.1f}" for k, v in time_by_class(r).items()},
-             "profiled ms": f"{r['profiled_ms']:.1f}"}
-            for r in rows if r["resolution"] == res and r.get("top_kernels")]
+def _profiled(rows: list, res: int, gpu: str | None) -> list:
+    "The rows at `res` that keep their kernels, of card `gpu` (every card where None)."
+    return [r for r in rows if r["resolution"] == res and r.get("top_kernels") and gpu in (None, r.get("gpu"))]
 
-def plot_flux(rows: list, res: int = 1024, path=None):
-    "Stacked bars: each method's profiled forward at `res` by kernel class; saved to `path` when given."
+def flux_breakdown(rows: list, res: int = 1024, gpu: str | None = None) -> list:
+    "One dict a measured method at `res`, of card `gpu` (every card where None): its profiled milliseconds by class."
+    return [{"GPU": r.get("gpu", "—"), "method": r["method"], **{k: f"{v:.1f}" for k, v in time_by_class(r).items()},
+             "profiled ms": f"{r['profiled_ms']:.1f}"} for r in _profiled(rows, res, gpu)]
+
+def plot_flux(rows: list, res: int = 1024, gpu: str | None = None, path=None):
+    """Stacked bars: each method's profiled forward at `res` on card `gpu` by kernel class; saved to `path` when given.
+    `gpu` may be left out only where the rows at `res` are of one card: a figure never mixes cards."""
     import matplotlib.pyplot as plt
-    data = [(r["method"], time_by_class(r)) for r in rows if r["resolution"] == res and r.get("top_kernels")]
+    cards = list(dict.fromkeys(r.get("gpu") for r in _profiled(rows, res, gpu)))
+    if len(cards) != 1:
+        raise ValueError(f"gpu must name one card with profiled rows at {res}, got {gpu!r} (cards: {cards})")
+    data = [(r["method"], time_by_class(r)) for r in _profiled(rows, res, cards[0])]
     fig, ax = plt.subplots(figsize=(7, 0.45 * len(data) + 1.6), dpi=100)
     left = [0.0] * len(data)
     for cls, color in zip(CLASS_NAMES, ("tab:blue", "tab:orange", "tab:green", "0.7")):
@@ -405,7 +417,8 @@ def plot_flux(rows: list, res: int = 1024, path=None):
         left = [a + b for a, b in zip(left, widths)]
     ax.invert_yaxis(); ax.set_xlabel("ms per forward (profiled)")
     ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
-    ax.set_title(f"FLUX.1-dev transformer, {res}×{res}, batch 1", fontsize=10); fig.tight_layout()
+    ax.set_title(f"FLUX.1-dev transformer on {cards[0] or 'one card'}, {res}×{res}, batch 1", fontsize=10)
+    fig.tight_layout()
     if path is not None: fig.savefig(path)
     return fig
 
@@ -413,7 +426,7 @@ def plot_flux(rows: list, res: int = 1024, path=None):
 FLUX_README_PLOT = "flux_h200.png"    # the README's figure, in nbs/data/
 
 def readme_flux() -> str:
-    "The README's FLUX.1-dev paragraph: the newest row of each method, the targets, the time by class, the records."
+    "The README's FLUX.1-dev paragraph: the newest rows of each card, the targets, the time by class, the records."
     from w4a4_book.bench.report import record_line
     rows, runs = recorded_flux_rows()
     if not rows:
@@ -421,11 +434,12 @@ def readme_flux() -> str:
     return "\n".join([
         "**FLUX.1-dev's transformer** ([chapter 19](nbs/19_flux.ipynb)): one forward at batch 1, random bf16 weights, "
         "every method in one process; the W4A4 methods use the `flux` preset (embedders, modulation and final "
-        "projection kept in 16 bits). Milliseconds per forward, then the targets, then where the time goes. `GPU` is "
-        "the card; speed-ups compare rows of one card and resolution. `GPU busy ms` is the profiled kernels' time: at "
-        "512×512 the forwards not replayed as a CUDA graph wait on the host, so there W4A4's lead over FP8 is the "
-        "graph's, not the kernels'; `fp8_graph`, the compiled FP8 model replayed as one graph too, is the baseline "
-        "that compares the kernels alone (`—` where no record has it).", "",
+        "projection kept in 16 bits). Milliseconds per forward, then the targets, then where the time goes (the "
+        "figure: the H200's). `GPU` is the card; speed-ups, targets included, compare rows of one card and "
+        "resolution. `GPU busy ms` is the profiled kernels' time: at 512×512 the forwards not replayed as a CUDA "
+        "graph wait on the host, so there W4A4's lead over FP8 is the graph's, not the kernels'; `fp8_graph`, the "
+        "compiled FP8 model replayed as one graph too, is the baseline that compares the kernels alone (`—` where no "
+        "record has it).", "",
         flux_table(rows), "", markdown_table(flux_targets(rows)), "", markdown_table(flux_breakdown(rows)), "",
         f"![FLUX.1-dev's forward by kernel class](nbs/data/{FLUX_README_PLOT})", "",
         *[f"- {record_line(name, prov)}" for name, prov in runs]])
