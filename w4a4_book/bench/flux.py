@@ -26,21 +26,18 @@ from .timing import GPU_PEAKS, check_timing, gpu_key, rel_err, time_cuda
 from .workloads import kernel_unavailable
 
 # %% auto #0
-__all__ = ['FLUX_METHODS', 'W4A4_METHODS', 'GRAPH_METHODS', 'MODEL_OF', 'DEFAULT_METHODS', 'FLUX_RESOLUTIONS', 'FLUX_TEXT_TOKENS',
-           'FLUX_RANK', 'FLUX_PRESET', 'COMPILE_SCOPES', 'FP8_IMPLS', 'ATTENTION_KERNELS', 'LINEAR_KERNELS',
-           'TOP_KERNELS', 'TABLE_BASES', 'FLUX_TARGETS', 'KERNEL_CLASSES', 'CLASS_NAMES', 'FLUX_README_PLOT',
-           'check_resolution', 'FluxRun', 'torchao_fp8', 'prepare', 'profile_shares', 'measure', 'run_flux_bench',
-           'flux_table', 'flux_targets', 'add_arguments', 'recorded_flux_rows', 'flux_provenance', 'kernel_class',
-           'time_by_class', 'flux_breakdown', 'plot_flux', 'readme_flux', 'run']
+__all__ = ['FLUX_METHODS', 'W4A4_METHODS', 'GRAPH_METHODS', 'MODEL_OF', 'FLUX_RESOLUTIONS', 'FLUX_TEXT_TOKENS', 'FLUX_RANK',
+           'FLUX_PRESET', 'COMPILE_SCOPES', 'FP8_IMPLS', 'ATTENTION_KERNELS', 'LINEAR_KERNELS', 'TOP_KERNELS',
+           'TABLE_BASES', 'FLUX_TARGETS', 'KERNEL_CLASSES', 'CLASS_NAMES', 'FLUX_README_PLOT', 'check_resolution',
+           'FluxRun', 'torchao_fp8', 'prepare', 'profile_shares', 'measure', 'run_flux_bench', 'flux_table',
+           'flux_targets', 'add_arguments', 'recorded_flux_rows', 'flux_provenance', 'kernel_class', 'time_by_class',
+           'flux_breakdown', 'plot_flux', 'readme_flux', 'run']
 
 # %% ../../nbs/20e_bench_flux.ipynb #3b640ea6
 FLUX_METHODS = ("bf16_eager", "bf16_compiled", "fp8_compiled", "fp8_graph", "w4a4_graph", "w4a8_graph")
 W4A4_METHODS = {"w4a4_graph": {}, "w4a8_graph": {"act_fmt": "int8"}}   # quantize_model's options beyond the preset's
 GRAPH_METHODS = ("fp8_graph", *W4A4_METHODS)   # timed as replays of one CUDA graph; the others as launched
 MODEL_OF = {"fp8_graph": "fp8_compiled"}       # a method that times the model another builds: one build serves both
-# fp8_graph runs where asked for: until a GPU run shows torchao's compiled model captures, a failed capture could leave
-# the process's CUDA generator unusable for the methods after it
-DEFAULT_METHODS = tuple(m for m in FLUX_METHODS if m != "fp8_graph")
 FLUX_RESOLUTIONS = (1024, 512)     # pixels a side: 4096 and 1024 image tokens
 FLUX_TEXT_TOKENS = 512             # T5's sequence length in FLUX.1-dev
 FLUX_RANK, FLUX_PRESET = 32, "flux"
@@ -60,7 +57,7 @@ class FluxRun:
     config: dict = dataclasses.field(default_factory=lambda: dict(FLUX_DEV))   # FluxTransformer2DModel's arguments
     resolutions: tuple = FLUX_RESOLUTIONS
     text_tokens: int = FLUX_TEXT_TOKENS
-    methods: tuple = DEFAULT_METHODS
+    methods: tuple = FLUX_METHODS
     iters: int = 20                        # timed forwards per method and resolution
     warmup: int = 3
     device: str = "cuda"                   # "cpu": every path, timed by the host (the CPU checks)
@@ -315,8 +312,8 @@ def add_arguments(p) -> None:
     "Options of `w4a4-book bench-flux`."
     p.add_argument("--res", type=int, nargs="+", default=list(FLUX_RESOLUTIONS),
                    help="image sides in pixels (default 1024 512: 4096 and 1024 image tokens)")
-    p.add_argument("--methods", nargs="+", choices=FLUX_METHODS, default=list(DEFAULT_METHODS),
-                   help="which methods to run, in this order (default all but fp8_graph)")
+    p.add_argument("--methods", nargs="+", choices=FLUX_METHODS, default=list(FLUX_METHODS),
+                   help="which methods to run, in this order (default all)")
     p.add_argument("--iters", type=int, default=20, help="timed forwards per method and resolution (default 20)")
     p.add_argument("--compile", choices=COMPILE_SCOPES, default="regional",
                    help="compile the repeated blocks (default, diffusers' regional compilation) or the whole model")
